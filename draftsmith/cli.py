@@ -1,0 +1,59 @@
+"""The ``draftsmith`` command: one entry point, one subcommand per job.
+
+Each subcommand lives beside the code it drives (``eval/cli.py``, ``train/cli.py``, ...) and
+exposes ``add_parser(subparsers)``; the module is imported only when its subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with add_parser, one-line help)
+SUBCOMMANDS = {
+    "eval": ("draftsmith.eval.cli", "measure τ, acceptance and speedup of drafts against the target alone"),
+    "train": ("draftsmith.train.cli", "train a draft from a YAML recipe"),
+    "data": ("draftsmith.train.data_cli", "prepare training data (e.g. regenerate responses with the target)"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="draftsmith",
+        description="Train, evaluate and publish speculative-decoding drafts for Hugging Face causal LMs.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text)
+            continue
+        try:
+            importlib.import_module(module).add_parser(sub)
+        except ModuleNotFoundError as err:
+            if err.name != module:
+                raise
+            sub.add_parser(name, help=f"{help_text} (not available in this build)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in SUBCOMMANDS else None)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0 if args.command is None else 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"draftsmith {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"draftsmith {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

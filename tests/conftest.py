@@ -1,0 +1,26 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` tests (the real bundled target) run unless DRAFTSMITH_SKIP_SLOW=1."""
+    import os
+
+    if os.environ.get("DRAFTSMITH_SKIP_SLOW") == "1":
+        skip = pytest.mark.skip(reason="DRAFTSMITH_SKIP_SLOW=1")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.exists():
+        pytest.skip(f"{SHARED_DATA} not present")
+    return SHARED_DATA
