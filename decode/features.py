@@ -10,8 +10,8 @@ integers before they are stored.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -24,7 +24,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     config = getattr(model, "config", None)
     text_config = config.get_text_config(decoder=True) if config is not None else None
     n_layers = getattr(text_config, "num_hidden_layers", None)
-    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "model.language_model.layers"):
+    for path in (
+        "model.layers",
+        "model.decoder.layers",
+        "transformer.h",
+        "gpt_neox.layers",
+        "model.language_model.layers",
+    ):
         module: nn.Module | None = model
         for part in path.split("."):
             module = getattr(module, part, None)
@@ -48,15 +54,17 @@ def resolve_layer_ids(model: nn.Module, layer_ids: list[int]) -> list[int]:
     for i in layer_ids:
         j = i + n if i < 0 else i
         if not 0 <= j < n:
-            raise ValueError(f"layer id {i} is out of range for a target with {n} decoder layers (valid: 0..{n - 1})")
+            raise ValueError(
+                f"layer id {i} is out of range for a target with {n} decoder layers (valid: 0..{n - 1})"
+            )
         resolved.append(j)
     return resolved
 
 
 def default_eagle3_layers(num_layers: int) -> list[int]:
     """Low, middle and high layer ids (0-based outputs) as EAGLE-3 picks them: 1, L/2 - 1, L - 4."""
-    if num_layers < 4:
-        return sorted({0, max(0, num_layers // 2 - 1), num_layers - 1})
+    if num_layers < 7:  # too shallow for the 1 / L/2-1 / L-4 spread: first, middle, last
+        return sorted({0, (num_layers - 1) // 2, num_layers - 1})
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 

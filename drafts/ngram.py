@@ -17,7 +17,9 @@ class NgramDrafter(Drafter):
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         if not 1 <= min_n <= max_n:
-            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+            raise ValueError(
+                f"n-gram sizes must satisfy 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}"
+            )
         self.max_n, self.min_n = max_n, min_n
         self.name = f"ngram:{max_n}"
 

@@ -1,2 +1,3 @@
 """draftsmith: train, evaluate and publish speculative-decoding drafts."""
+
 __version__ = "0.1.0"

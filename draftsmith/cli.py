@@ -14,7 +14,10 @@ import sys
 SUBCOMMANDS = {
     "eval": ("draftsmith.eval.cli", "measure τ, acceptance and speedup of drafts against the target alone"),
     "train": ("draftsmith.train.cli", "train a draft from a YAML recipe"),
-    "data": ("draftsmith.train.data_cli", "prepare training data (e.g. regenerate responses with the target)"),
+    "data": (
+        "draftsmith.train.data_cli",
+        "prepare training data (e.g. regenerate responses with the target)",
+    ),
 }
 
 

@@ -24,7 +24,9 @@ def tiny_tokenizer(chat_template: str | None = CHATML) -> PreTrainedTokenizerFas
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "pad_token": "<pad>"})
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "pad_token": "<pad>"}
+    )
     tok.eos_token = "<|im_end|>"
     tok.chat_template = chat_template
     return tok

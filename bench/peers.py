@@ -1,0 +1,146 @@
+"""draftsmith's decoder against transformers' own speculative paths, same prompts, same process.
+
+Runs, greedy and batch 1, on the first N dev prompts:
+  hf:generate                 transformers `generate` alone
+  hf:prompt_lookup            `generate(prompt_lookup_num_tokens=k)`
+  hf:assisted(layers:N)       `generate(assistant_model=<the target's first N layers>)`
+  ds:baseline                 draftsmith's loop with k = 0
+  ds:ngram                    draftsmith's n-gram drafter
+  ds:layers:N                 draftsmith's layer-subset drafter (the same draft as hf:assisted)
+Every method warms up on one prompt first. Prints a table, writes JSON.
+
+    python bench/peers.py --prompts ../shared/data/dev/prompts.jsonl --limit 12 --out bench/results/peers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.decode.speculative import generate
+from draftsmith.decode.target import load_target
+from draftsmith.drafts import build_drafter
+from draftsmith.drafts.layer_subset import layer_subset_view
+
+
+def load_prompts(path: str, limit: int, tokenizer) -> list[torch.Tensor]:
+    prompts = []
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            text = record["turns"][0] if "turns" in record else record["prompt"]
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+            prompts.append(torch.tensor(ids))
+            if len(prompts) == limit:
+                break
+    return prompts
+
+
+def hf_runner(target, **kwargs):
+    model = target.model
+    eos = sorted(target.eos_ids)
+
+    def run(prompt: torch.Tensor, max_new: int) -> list[int]:
+        ids = prompt.view(1, -1).to(target.device)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            **kwargs,
+        )
+        return out[0, ids.shape[1] :].tolist()
+
+    return run
+
+
+def ds_runner(target, spec: str | None, k: int):
+    def run(prompt: torch.Tensor, max_new: int) -> list[int]:
+        drafter = build_drafter(spec, target) if spec else None
+        return generate(target, prompt, drafter, k=k, max_new_tokens=max_new).tokens
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--prompts", default="../shared/data/dev/prompts.jsonl")
+    parser.add_argument("--limit", type=int, default=12)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=5, help="draft length for every speculative method")
+    parser.add_argument("--layers", type=int, default=8, help="depth of the layer-subset draft")
+    parser.add_argument("--out", default="bench/results/peers.json")
+    args = parser.parse_args()
+
+    target = load_target(args.target, device="auto", dtype="float32")
+    prompts = load_prompts(args.prompts, args.limit + 1, target.tokenizer)
+    warmup, prompts = prompts[0], prompts[1:]
+    assistant = layer_subset_view(target.model, args.layers)
+    assistant.generation_config = type(target.model.generation_config).from_dict(
+        target.model.generation_config.to_dict()
+    )
+    methods = {
+        "hf:generate": hf_runner(target),
+        "hf:prompt_lookup": hf_runner(target, prompt_lookup_num_tokens=args.k),
+        f"hf:assisted(layers:{args.layers})": hf_runner(target, assistant_model=assistant),
+        "ds:baseline": ds_runner(target, None, 0),
+        "ds:ngram": ds_runner(target, "ngram", args.k),
+        f"ds:layers:{args.layers}": ds_runner(target, f"layers:{args.layers}", args.k),
+    }
+    rows = {}
+    reference: list[list[int]] | None = None
+    for name, run in methods.items():
+        run(warmup, 16)
+        tokens, seconds, outputs = 0, 0.0, []
+        for prompt in prompts:
+            start = time.perf_counter()
+            out = run(prompt, args.max_new_tokens)
+            seconds += time.perf_counter() - start
+            tokens += len(out)
+            outputs.append(out)
+        reference = reference or outputs
+        same = sum(a == b for a, b in zip(outputs, reference))
+        rows[name] = {
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds,
+            "same_as_hf": same,
+        }
+        print(
+            f"{name:28s} {tokens / seconds:7.2f} tok/s  ({tokens} tokens, {seconds:.1f} s, "
+            f"{same}/{len(prompts)} outputs identical to hf:generate)",
+            flush=True,
+        )
+
+    base = rows["hf:generate"]["tokens_per_s"]
+    print(f"\n{'method':28s} {'tok/s':>8s} {'vs hf:generate':>15s}")
+    for name, row in rows.items():
+        row["ratio_vs_hf_generate"] = row["tokens_per_s"] / base
+        print(f"{name:28s} {row['tokens_per_s']:8.2f} {row['ratio_vs_hf_generate']:14.2f}x")
+    result = {
+        "target": target.name,
+        "settings": vars(args) | {"num_prompts": len(prompts), "greedy": True, "dtype": "float32"},
+        "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}, device {target.device}",
+        "date": time.strftime("%Y-%m-%d"),
+        "methods": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

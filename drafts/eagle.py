@@ -1,0 +1,403 @@
+"""EAGLE draft heads: a small decoder that reads the target's hidden states and predicts the next tokens.
+
+Two presets share one ``EagleHead``:
+
+- ``eagle1`` (EAGLE-1): input at position t is ``Linear(2H→H)([emb(x_{t+1}), f_t])`` with f the target's
+  last-layer output (pre final norm); N stock Llama decoder layers; the target's frozen final norm and
+  LM head give the logits. The output h_t regresses f_{t+1} and is fed back as the next feature.
+- ``eagle3`` (EAGLE-3): three target layers (low, mid, high) are concatenated and fused by
+  ``Linear(3H→H)``; the first decoder layer's attention reads ``[norm_e(emb), norm_f(feature)]`` (2H),
+  its residual stream is the feature; its own final norm and LM head score a reduced draft vocabulary
+  whose ids map to the target's through ``d2t``. The layer output stands in for the fused feature at
+  the next step.
+
+Training unrolls the head several steps on its own outputs ("training-time test", TTT): at step j the
+query at anchor t attends causally to step-0 keys (real features) and to its own keys of steps 1..j at
+the same anchor — exactly what chain drafting sees at inference. ``ttt_attention_mask`` builds that mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, DynamicCache, LlamaConfig, PretrainedConfig, PreTrainedModel
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from draftsmith.decode.features import LAYER_ID_CONVENTION, default_eagle3_layers, resolve_layer_ids
+from draftsmith.drafts.base import Drafter, register
+from draftsmith.drafts.eagle_drafter import EagleDrafter
+from draftsmith.drafts.loading import DRAFT_KIND_KEY
+
+PRESETS = ("eagle1", "eagle3")
+TARGET_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "tokenizer_fingerprint")
+"""Fields of ``Target.record()`` that must agree for a head to be used with a target (the name may differ)."""
+
+
+class EagleConfig(PretrainedConfig):
+    """Shape of an EAGLE head plus the record of the target it was trained for."""
+
+    model_type = "draftsmith_eagle"
+
+    def __init__(
+        self,
+        preset: str = "eagle3",
+        hidden_size: int = 64,
+        intermediate_size: int = 128,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 4,
+        head_dim: int | None = None,
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        max_position_embeddings: int = 4096,
+        vocab_size: int = 32000,
+        draft_vocab_size: int | None = None,
+        num_decoder_layers: int = 1,
+        capture_layer_ids: list[int] | None = None,
+        layer_id_convention: str = LAYER_ID_CONVENTION,
+        ttt_steps: int = 1,
+        lm_head_is_embedding: bool = False,
+        logit_softcap: float | None = None,
+        target: dict | None = None,
+        initializer_range: float = 0.02,
+        **kwargs,
+    ):
+        kwargs.pop(DRAFT_KIND_KEY, None)
+        if preset not in PRESETS:
+            raise ValueError(f"unknown EAGLE preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        self.preset = preset
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.max_position_embeddings = max_position_embeddings
+        self.vocab_size = vocab_size
+        self.draft_vocab_size = (
+            min(draft_vocab_size or vocab_size, vocab_size) if preset == "eagle3" else vocab_size
+        )
+        self.num_decoder_layers = num_decoder_layers
+        self.capture_layer_ids = list(capture_layer_ids or [])
+        self.layer_id_convention = layer_id_convention
+        self.ttt_steps = ttt_steps
+        self.lm_head_is_embedding = lm_head_is_embedding
+        self.logit_softcap = logit_softcap
+        self.target = dict(target or {})
+        self.initializer_range = initializer_range
+        setattr(self, DRAFT_KIND_KEY, "eagle")
+        super().__init__(**kwargs)
+
+    @classmethod
+    def for_target(
+        cls,
+        target,
+        preset: str = "eagle3",
+        num_decoder_layers: int = 1,
+        capture_layer_ids: list[int] | None = None,
+        draft_vocab_size: int = 32000,
+        ttt_steps: int = 1,
+    ) -> EagleConfig:
+        """A config whose dimensions, rotary base and capture layers come from ``target`` (a decode Target)."""
+        tcfg = target.config
+        n_layers = tcfg.num_hidden_layers
+        if capture_layer_ids is None:
+            capture_layer_ids = [n_layers - 1] if preset == "eagle1" else default_eagle3_layers(n_layers)
+        ids = resolve_layer_ids(target.model, list(capture_layer_ids))
+        if preset == "eagle1" and len(ids) != 1:
+            raise ValueError(f"EAGLE-1 reads exactly one target layer (the last, {n_layers - 1}); got {ids}")
+        rope = getattr(tcfg, "rope_parameters", None) or {}
+        model = target.model
+        return cls(
+            preset=preset,
+            hidden_size=tcfg.hidden_size,
+            intermediate_size=tcfg.intermediate_size,
+            num_attention_heads=tcfg.num_attention_heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads,
+            head_dim=getattr(tcfg, "head_dim", None),
+            rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0))),
+            max_position_embeddings=getattr(tcfg, "max_position_embeddings", 4096),
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            num_decoder_layers=num_decoder_layers,
+            capture_layer_ids=ids,
+            ttt_steps=ttt_steps,
+            lm_head_is_embedding=preset == "eagle1"
+            and model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+            logit_softcap=getattr(tcfg, "final_logit_softcapping", None) if preset == "eagle1" else None,
+            target=target.record(),
+        )
+
+    def decoder_config(self) -> LlamaConfig:
+        """The Llama config the stock decoder layers and rotary embedding are built from."""
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            max_position_embeddings=self.max_position_embeddings,
+            num_hidden_layers=self.num_decoder_layers,
+            vocab_size=self.vocab_size,
+            attn_implementation="sdpa",
+        )
+
+
+AutoConfig.register(EagleConfig.model_type, EagleConfig, exist_ok=True)
+
+
+def check_target(config: EagleConfig, target) -> None:
+    """Refuse to use a head with a target other than the one it was trained for."""
+    saved, current = config.target, target.record()
+    if not saved:
+        raise ValueError(
+            "this EAGLE head records no target; re-save it with `draftsmith train` (config.target)"
+        )
+    for field in TARGET_FIELDS:
+        if saved.get(field) != current.get(field):
+            raise ValueError(
+                f"EAGLE head was trained for target {saved.get('name')!r} but the target is {current.get('name')!r}: "
+                f"{field} differs ({saved.get(field)!r} vs {current.get(field)!r}). Use the head with the target "
+                f"it was trained for, or train one for {current.get('name')!r}."
+            )
+    if config.layer_id_convention != LAYER_ID_CONVENTION:
+        raise ValueError(
+            f"EAGLE head records layer ids in convention {config.layer_id_convention!r}, but this version uses "
+            f"{LAYER_ID_CONVENTION!r}; re-save the head with its layer ids converted."
+        )
+
+
+def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the ``draft_vocab_size`` most frequent target ids (ties: lower id first).
+
+    Returns ``d2t`` [Vd] int64, the kept target ids in ascending order (draft id i is target id d2t[i]),
+    and ``t2d`` [V] bool, True where a target id is in the draft vocabulary. Ascending order makes the
+    draft id of a kept target id v equal to ``t2d[:v].sum()``.
+    """
+    counts = token_counts.reshape(-1).double()
+    n = min(int(draft_vocab_size), counts.numel())
+    if n < 1:
+        raise ValueError(f"draft_vocab_size must be >= 1, got {draft_vocab_size}")
+    kept = torch.sort(counts, descending=True, stable=True).indices[:n]
+    d2t = kept.sort().values.long()
+    t2d = torch.zeros(counts.numel(), dtype=torch.bool)
+    t2d[d2t] = True
+    return d2t, t2d
+
+
+def ttt_attention_mask(seq_len: int, step: int, device: torch.device | None = None) -> torch.Tensor:
+    """Mask [T, (step+1)·T] (True = attend) for TTT unroll step ``step``.
+
+    Keys are laid out block by block: block 0 holds step 0 (the real features) at anchors 0..T-1, block
+    i the head's own step-i outputs. A query at anchor t sees step-0 keys at anchors <= t (causal) and,
+    in every later block, only its own anchor t — the keys chain drafting from anchor t would have cached.
+    """
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(seq_len, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+class WideInputLayer(nn.Module):
+    """EAGLE-3's first layer: a stock Llama decoder layer whose q/k/v read [norm_e(emb), norm_f(feature)] (2H)."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.layer = LlamaDecoderLayer(config, layer_idx)
+        attn = self.layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attn, name)
+            setattr(
+                attn, name, nn.Linear(2 * config.hidden_size, old.out_features, bias=old.bias is not None)
+            )
+        self.feature_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, emb, feature, position_embeddings, attention_mask, cache) -> torch.Tensor:
+        x = torch.cat([self.layer.input_layernorm(emb), self.feature_norm(feature)], dim=-1)
+        attn, _ = self.layer.self_attn(
+            hidden_states=x,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            cache=cache,
+        )
+        h = feature + attn
+        return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+
+
+@dataclass
+class EagleOutput:
+    """One tensor per unroll step: hidden states [B, T, H]; logits [B, T, Vd], or [N_j, Vd] when selected."""
+
+    hidden_states: list[torch.Tensor]
+    logits: list[torch.Tensor]
+
+
+class EagleHead(PreTrainedModel):
+    """The EAGLE draft head (both presets). Frozen copies of the target's weights it needs are stored in it."""
+
+    config_class = EagleConfig
+    base_model_prefix = "eagle"
+    _supports_sdpa = True
+
+    def __init__(self, config: EagleConfig):
+        super().__init__(config)
+        cfg = config.decoder_config()
+        H, V = config.hidden_size, config.vocab_size
+        self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)
+        if config.preset == "eagle3":
+            self.fuse_features = nn.Linear(len(config.capture_layer_ids) * H, H, bias=False)
+            first: list[nn.Module] = [WideInputLayer(cfg, 0)]
+            self.layers = nn.ModuleList(
+                first + [LlamaDecoderLayer(cfg, i) for i in range(1, config.num_decoder_layers)]
+            )
+        else:
+            self.input_proj = nn.Linear(2 * H, H, bias=True)
+            self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, i) for i in range(config.num_decoder_layers)])
+        self.rotary_emb = LlamaRotaryEmbedding(cfg)
+        self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        if not config.lm_head_is_embedding:
+            self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        if config.preset == "eagle1":  # the target's own final norm and LM head, frozen
+            self.norm.requires_grad_(False)
+            if not config.lm_head_is_embedding:
+                self.lm_head.requires_grad_(False)
+        d2t, t2d = build_vocab_map(torch.zeros(V), config.draft_vocab_size)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+        self.post_init()
+
+    # -- set-up from the target ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_from_target(self, model: nn.Module) -> None:
+        """Copy the target's token embeddings (and, for EAGLE-1, its final norm and LM head) into the head."""
+        self.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
+        if self.config.preset != "eagle1":
+            return
+        if not self.config.lm_head_is_embedding:
+            self.lm_head.weight.copy_(model.get_output_embeddings().weight)
+        final_norm = getattr(model.get_decoder(), "norm", None)
+        if final_norm is None or getattr(final_norm, "weight", None) is None:
+            raise ValueError(
+                f"cannot find the final norm of {type(model).__name__}; use preset eagle3 for this target"
+            )
+        probe = torch.randn(4, self.config.hidden_size, device=final_norm.weight.device)
+        expected = final_norm(probe.to(final_norm.weight.dtype)).float()
+        tol = 1e-4 if final_norm.weight.dtype == torch.float32 else 2e-2
+        reference = LlamaRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps).to(probe.device)
+        # Llama-style norms multiply by w, Gemma-style by (1 + w): keep whichever reproduces the target's norm
+        for weight in (final_norm.weight.float(), final_norm.weight.float() + 1):
+            reference.weight.copy_(weight)
+            if torch.allclose(reference(probe), expected, rtol=tol, atol=tol):
+                self.norm.weight.copy_(weight)
+                return
+        raise ValueError(
+            f"EAGLE-1 reuses the target's final norm, but {type(final_norm).__name__} is not an RMSNorm this head "
+            "can reproduce; use preset eagle3, which has its own norm and LM head"
+        )
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install the draft→target id map from ``build_vocab_map`` (EAGLE-3)."""
+        if d2t.numel() != self.config.draft_vocab_size or t2d.numel() != self.config.vocab_size:
+            raise ValueError(
+                f"vocab map sizes {d2t.numel()}/{t2d.numel()} do not match draft_vocab_size "
+                f"{self.config.draft_vocab_size} / vocab_size {self.config.vocab_size}"
+            )
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    # -- the pieces drafting and training share ---------------------------------------------------
+
+    def fuse(self, features: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Target features {layer_id: [..., H]} → the head's step-0 input feature [..., H]."""
+        missing = [i for i in self.config.capture_layer_ids if i not in features]
+        if missing:
+            raise ValueError(
+                f"EAGLE head needs target layers {self.config.capture_layer_ids}; missing {missing}"
+            )
+        dtype = self.embed_tokens.weight.dtype
+        x = torch.cat([features[i].to(dtype) for i in self.config.capture_layer_ids], dim=-1)
+        return self.fuse_features(x) if self.config.preset == "eagle3" else x
+
+    def step(
+        self,
+        feature: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: DynamicCache | None,
+    ) -> torch.Tensor:
+        """One pass over pairs (feature_t [B,S,H], token_{t+1} [B,S]) → hidden states [B,S,H].
+
+        ``attention_mask``: bool [B,1,S,S_total] (True = attend), needed whenever S > 1.
+        """
+        emb = self.embed_tokens(input_ids)
+        pos = self.rotary_emb(feature, position_ids)
+        layers = list(self.layers)
+        if self.config.preset == "eagle3":
+            h = layers.pop(0)(emb, feature, pos, attention_mask, cache)
+        else:
+            h = self.input_proj(torch.cat([emb, feature.to(emb.dtype)], dim=-1))
+        for layer in layers:
+            h = layer(h, attention_mask=attention_mask, position_embeddings=pos, cache=cache)
+        return h
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states [..., H] → logits over the draft vocabulary [..., Vd]."""
+        weight = self.embed_tokens.weight if self.config.lm_head_is_embedding else self.lm_head.weight
+        logits = F.linear(self.norm(hidden), weight)
+        if self.config.logit_softcap:
+            logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
+        return logits
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: dict[int, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        steps: int = 1,
+        logit_masks: torch.Tensor | None = None,
+    ) -> EagleOutput:
+        """Unroll ``steps`` TTT steps over a batch (anchor t: feature_t with token_{t+1+j} at step j).
+
+        input_ids [B,T]; features {layer_id: [B,T,H]}; attention_mask [B,T] (1 = real token);
+        logit_masks [steps,B,T] bool: compute logits only there (saves the LM head on masked positions).
+        """
+        B, T = input_ids.shape
+        device = input_ids.device
+        real = (
+            torch.ones(B, T, dtype=torch.bool, device=device)
+            if attention_mask is None
+            else attention_mask.bool()
+        )
+        positions = (real.long().cumsum(-1) - 1).clamp_min(0)
+        eye = torch.eye(T, dtype=torch.bool, device=device)
+        cache = DynamicCache()
+        hidden, all_hidden, all_logits = self.fuse(features), [], []
+        for j in range(steps):
+            ids = F.pad(input_ids[:, 1 + j :], (0, 1 + j))  # token_{t+1+j}, zero past the end (never counted)
+            keys_ok = torch.cat([real] + [torch.ones_like(real)] * j, dim=1)  # padded step-0 keys are hidden
+            mask = ttt_attention_mask(T, j, device)[None] & keys_ok[:, None, :]
+            mask[:, :, :T] |= eye  # ...except a query's own anchor, so no row is empty
+            hidden = self.step(hidden, ids, positions + j, mask[:, None], cache)
+            all_hidden.append(hidden)
+            selected = hidden if logit_masks is None else hidden[logit_masks[j]]
+            all_logits.append(self.draft_logits(selected))
+        return EagleOutput(all_hidden, all_logits)
+
+
+@register("eagle")
+def _build(target, path: str) -> Drafter:
+    if not path or not (Path(path) / "config.json").is_file():
+        raise ValueError(
+            f"an EAGLE draft needs a checkpoint directory saved by `draftsmith train` (got {path!r})"
+        )
+    head = EagleHead.from_pretrained(path, dtype=target.dtype).to(target.device).eval().requires_grad_(False)
+    check_target(head.config, target)
+    return EagleDrafter(head, name=f"eagle:{Path(path).name}")

@@ -1,0 +1,174 @@
+"""``draftsmith eval``: measure τ, acceptance and speedup of drafts against the target alone."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from draftsmith.eval.report import METRICS
+
+DESCRIPTION = """\
+Run the target alone and each draft on the same prompts, in the same process, after an untimed
+warm-up; print a table (draft x category: τ, α, tok/s, speedup, exact) and write DIR/report.json
+and DIR/report.md (other files in DIR are left alone).
+
+Prompts (--prompts): JSONL, one object a line, either Spec-Bench / MT-bench records
+{"question_id", "category", "turns": [user message, ...]} (a later turn continues the conversation
+after the method's own answer to the previous one) or {"prompt": "...", "category": "..."}
+(category optional, "default" when absent). Each turn is rendered with the target tokenizer's chat
+template when it has one, else as plain text."""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the ``eval`` subcommand; ``args.func`` runs it."""
+    p = subparsers.add_parser(
+        "eval",
+        help="measure τ, acceptance and speedup of drafts against the target alone",
+        description=DESCRIPTION,
+        epilog="metrics:\n" + METRICS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--target",
+        required=True,
+        metavar="T",
+        help="the target: a Hub id, a local model directory, a .gguf file, or the alias smollm2-135m-instruct",
+    )
+    p.add_argument(
+        "--draft",
+        dest="drafts",
+        action="append",
+        required=True,
+        metavar="D",
+        help="a draft to measure (repeat for several): ngram, ngram:N (n-gram prompt lookup, longest n = N), "
+        "layers:N (the target's own first N layers), or a draft checkpoint directory / model id",
+    )
+    p.add_argument("--prompts", required=True, metavar="FILE.jsonl", help="the prompt file (format above)")
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="use only the first N prompts (in --order, after --categories); default: all",
+    )
+    p.add_argument(
+        "--categories",
+        default=None,
+        metavar="C1,C2",
+        help="comma-separated categories to keep (default: all); an unknown name is an error",
+    )
+    p.add_argument(
+        "--order",
+        choices=["file", "round-robin"],
+        default="file",
+        help="prompt order before --limit: file order (default), or alternating between categories so a "
+        "small --limit samples each of them; both are deterministic",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="new tokens per turn at most (default 256)",
+    )
+    p.add_argument(
+        "--k", type=int, default=5, help="draft tokens proposed per verify step at most (default 5)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="0 = greedy (default; outputs must then equal the target's, see 'exact'); > 0 = speculative sampling",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        metavar="K",
+        help="sample only among the k most likely tokens (0 = off, default)",
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1.0 = off, default)"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="seed of the torch.Generator created afresh for every prompt and method (sampled runs reproduce)",
+    )
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available"
+    )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="target (and draft) weights"
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        metavar="N",
+        help="untimed warm-up: a short generation per method on each of the first N prompts (default 1; 0 = none)",
+    )
+    p.add_argument(
+        "--out", required=True, metavar="DIR", help="folder for report.json and report.md (created)"
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+def _check(args: argparse.Namespace) -> list[str] | None:
+    """Validate what can be checked before loading any model; return the category filter."""
+    if args.k < 1:
+        raise ValueError(f"--k must be at least 1 (draft tokens per verify step), got {args.k}")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be 0 or more prompts, got {args.warmup}")
+    repeated = sorted({d for d in args.drafts if args.drafts.count(d) > 1})
+    if repeated:
+        raise ValueError(f"--draft {', '.join(repeated)} given more than once; name each draft once")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} exists and is not a directory; pass a directory for the reports")
+    if args.categories is None:
+        return None
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()]
+    if not categories:
+        raise ValueError(f"--categories {args.categories!r} names no category; e.g. --categories code,math")
+    return categories
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load prompts, target and drafts; evaluate; print the table and write the reports."""
+    from draftsmith.decode.sampling import Sampling
+    from draftsmith.decode.target import load_target
+    from draftsmith.drafts import build_drafter
+    from draftsmith.eval.harness import evaluate
+    from draftsmith.eval.prompts import load_prompts
+    from draftsmith.eval.report import build_report, format_table, hardware_description, write_report
+
+    categories = _check(args)
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    prompts = load_prompts(
+        args.prompts, args.limit, categories, args.order
+    )  # fail fast, before loading models
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    drafts = [(spec, build_drafter(spec, target)) for spec in args.drafts]
+    result = evaluate(
+        target,
+        drafts,
+        prompts,
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        seed=args.seed,
+        warmup=args.warmup,
+    )
+    settings = {key: value for key, value in vars(args).items() if key not in ("func", "command")}
+    settings["num_prompts"] = len(prompts)
+    report = build_report(result, target.name, settings, hardware_description(target.device, target.dtype))
+    print(format_table(report))
+    for path in write_report(report, args.out):
+        print(f"wrote {path}")
+    return 0

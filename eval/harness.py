@@ -1,0 +1,157 @@
+"""Timed runs: the target alone and each draft on the same prompts, in the same process.
+
+The baseline is the shared decoder with no drafter (the same loop with k = 0), so every method pays
+the same overheads. Methods run interleaved prompt by prompt (baseline, draft 1, draft 2, ...), which
+spreads slow drift of the machine (thermal, other processes) evenly over them; a short untimed
+warm-up per method comes first. Each generation gets a fresh ``torch.Generator`` seeded with the
+same seed on the target's device, so sampled runs are reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith.decode.sampling import Sampling
+from draftsmith.decode.speculative import generate
+from draftsmith.decode.target import Target
+from draftsmith.drafts.base import Drafter
+from draftsmith.eval.prompts import EvalPrompt, answer_text, render
+from draftsmith.eval.stats import RunStats
+
+BASELINE = "target alone"
+WARMUP_TOKENS = 32
+"""New tokens per warm-up generation: enough to run prefill, drafting and verify a few times."""
+
+
+@dataclass
+class MethodResult:
+    """What one method (the baseline or a draft) did over all prompts."""
+
+    name: str
+    total: RunStats = field(default_factory=RunStats)
+    categories: dict[str, RunStats] = field(default_factory=dict)
+    outputs: list[list[list[int]]] = field(default_factory=list)
+    """``outputs[prompt][turn]``: the generated token ids."""
+    exact_match: bool | None = None
+    """Greedy only: every output equals the baseline's token for token (None when sampling)."""
+    category_exact: dict[str, bool | None] = field(default_factory=dict)
+    mismatched_prompts: list[str] = field(default_factory=list)
+
+    def record(self, category: str, stats: RunStats, outputs: list[list[int]]) -> None:
+        self.total = self.total + stats
+        self.categories[category] = self.categories.get(category, RunStats()) + stats
+        self.outputs.append(outputs)
+
+
+@dataclass
+class EvalResult:
+    baseline: MethodResult
+    drafts: list[MethodResult]
+    categories: list[str]
+    """In order of first appearance among the prompts."""
+    greedy: bool
+
+
+def run_prompt(
+    target: Target,
+    drafter: Drafter | None,
+    prompt: EvalPrompt,
+    k: int,
+    max_new_tokens: int,
+    sampling: Sampling,
+    seed: int,
+) -> tuple[list[list[int]], RunStats]:
+    """Generate an answer to every turn of ``prompt``; turn i+1 sees the method's own answer to turn i."""
+    generator = torch.Generator(device=target.device).manual_seed(seed)
+    conversation: list[dict[str, str]] = []
+    outputs: list[list[int]] = []
+    stats = RunStats()
+    for turn in prompt.turns:
+        conversation.append({"role": "user", "content": turn})
+        ids = render(target.tokenizer, conversation)
+        result = generate(target, ids, drafter, k, max_new_tokens, sampling, generator)
+        outputs.append(result.tokens)
+        stats = stats + RunStats.from_result(result)
+        conversation.append({"role": "assistant", "content": answer_text(target.tokenizer, result.tokens)})
+    return outputs, stats
+
+
+def warm_up(
+    target: Target,
+    methods: Sequence[tuple[str, Drafter | None]],
+    prompts: Sequence[EvalPrompt],
+    k: int,
+    max_new_tokens: int,
+    sampling: Sampling,
+    seed: int,
+) -> None:
+    """One short untimed generation per method and prompt (first turn only): kernels, caches, allocator."""
+    for prompt in prompts:
+        ids = render(target.tokenizer, [{"role": "user", "content": prompt.turns[0]}])
+        for _, drafter in methods:
+            generator = torch.Generator(device=target.device).manual_seed(seed)
+            generate(target, ids, drafter, k, min(max_new_tokens, WARMUP_TOKENS), sampling, generator)
+
+
+def _short(name: str) -> str:
+    return name.rstrip("/").rsplit("/", 1)[-1][:24]
+
+
+def evaluate(
+    target: Target,
+    drafts: Sequence[tuple[str, Drafter]],
+    prompts: Sequence[EvalPrompt],
+    k: int = 5,
+    max_new_tokens: int = 256,
+    sampling: Sampling | None = None,
+    seed: int = 0,
+    warmup: int = 1,
+    progress: bool | None = None,
+) -> EvalResult:
+    """Run the target alone and every ``(name, drafter)`` over ``prompts``; compare outputs when greedy.
+
+    ``sampling``: greedy when None. ``progress``: show a tqdm bar (None = only when stderr is a terminal).
+    """
+    sampling = sampling if sampling is not None else Sampling()
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    if k < 1:
+        raise ValueError(f"--k must be at least 1 (draft tokens per step), got {k}")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    methods: list[tuple[str, Drafter | None]] = [(BASELINE, None), *drafts]
+    results = [MethodResult(name) for name, _ in methods]
+    warm_up(target, methods, prompts[: max(warmup, 0)], k, max_new_tokens, sampling, seed)
+
+    bar = tqdm(prompts, desc="eval", unit="prompt", disable=None if progress is None else not progress)
+    for prompt in bar:
+        for (_, drafter), result in zip(methods, results):
+            outputs, stats = run_prompt(target, drafter, prompt, k, max_new_tokens, sampling, seed)
+            result.record(prompt.category, stats, outputs)
+        if drafts:
+            bar.set_postfix_str(
+                " ".join(f"{_short(r.name)} τ={r.total.acceptance.tau:.2f}" for r in results[1:])
+            )
+    bar.close()
+
+    categories = list(dict.fromkeys(p.category for p in prompts))
+    if sampling.greedy:
+        for result in results[1:]:
+            compare_outputs(results[0], result, prompts)
+    return EvalResult(results[0], results[1:], categories, sampling.greedy)
+
+
+def compare_outputs(baseline: MethodResult, result: MethodResult, prompts: Sequence[EvalPrompt]) -> None:
+    """Fill ``result``'s exact-match fields: token-for-token equality with the baseline, overall and per category."""
+    category_exact: dict[str, bool] = {}
+    for prompt, ours, theirs in zip(prompts, result.outputs, baseline.outputs):
+        same = ours == theirs
+        category_exact[prompt.category] = category_exact.get(prompt.category, True) and same
+        if not same:
+            result.mismatched_prompts.append(prompt.id)
+    result.category_exact = dict(category_exact)
+    result.exact_match = not result.mismatched_prompts

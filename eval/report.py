@@ -1,0 +1,221 @@
+"""Eval reports: one JSON-ready dict, printed as a table and written as DIR/report.json and DIR/report.md."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+
+from draftsmith.eval.harness import BASELINE, EvalResult, MethodResult
+from draftsmith.eval.stats import RunStats
+
+METRICS = """\
+τ (tau)   tokens committed per target verify forward, the target's bonus/correction token included
+          (mean of accepted + 1 over verify steps; 1.0 for the target alone).
+α (alpha) accepted draft tokens / proposed draft tokens.
+per-position acceptance: P(draft token i accepted | every draft token before it accepted).
+tok/s     new tokens / wall-clock seconds of generation (prefill included), after warm-up.
+speedup   tok/s of the draft / tok/s of the target alone, same prompts, settings and process.
+exact     greedy only: every output equals the target alone's, token for token (— when sampling)."""
+
+
+def _num(x: float | None) -> float | None:
+    """JSON has no NaN: undefined rates (nothing proposed) become null."""
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return _num(a / b) if b and not math.isnan(a) and not math.isnan(b) else None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def hardware_description(device: torch.device, dtype: torch.dtype) -> str:
+    """What the numbers were measured on: accelerator or CPU model, threads, torch, device and dtype."""
+    parts = []
+    if device.type == "cuda":
+        parts.append(f"GPU {torch.cuda.get_device_name(device)}")
+    parts.append(f"CPU {cpu_model()} ({os.cpu_count()} logical cores)")
+    parts.append(f"torch {torch.__version__} with {torch.get_num_threads()} threads")
+    parts.append(f"device {device}, dtype {str(dtype).removeprefix('torch.')}")
+    return "; ".join(parts)
+
+
+def _timing_fields(stats: RunStats) -> dict:
+    t = stats.timing
+    return {
+        "tokens_per_s": _num(t.tokens_per_s),
+        "new_tokens": t.new_tokens,
+        "seconds": t.seconds,
+        "prefill_seconds": t.prefill_seconds,
+        "draft_seconds": t.draft_seconds,
+        "verify_seconds": t.verify_seconds,
+        "target_forwards": t.target_forwards,
+        "generations": t.generations,
+    }
+
+
+def _draft_entry(draft: MethodResult, baseline: MethodResult, categories: list[str]) -> dict:
+    acc = draft.total.acceptance
+    entry = {
+        "name": draft.name,
+        "tau": _num(acc.tau),
+        "alpha": _num(acc.alpha),
+        "per_position": [_num(x) for x in acc.per_position],
+        **_timing_fields(draft.total),
+        "speedup": _ratio(draft.total.timing.tokens_per_s, baseline.total.timing.tokens_per_s),
+        "exact_match": draft.exact_match,
+        "mismatched_prompts": draft.mismatched_prompts,
+        "acceptance": {**acc.to_dict(), "proposed_at": acc.proposed_at, "accepted_at": acc.accepted_at},
+        "categories": {},
+    }
+    for cat in categories:
+        stats, base = draft.categories[cat], baseline.categories[cat]
+        entry["categories"][cat] = {
+            "tau": _num(stats.acceptance.tau),
+            "alpha": _num(stats.acceptance.alpha),
+            "tokens_per_s": _num(stats.timing.tokens_per_s),
+            "speedup": _ratio(stats.timing.tokens_per_s, base.timing.tokens_per_s),
+            "exact_match": draft.category_exact.get(cat),
+            "new_tokens": stats.timing.new_tokens,
+        }
+    return entry
+
+
+def build_report(result: EvalResult, target: str, settings: dict, hardware: str) -> dict:
+    """The report as a JSON-ready dict (the schema of report.json)."""
+    base = result.baseline
+    baseline = {"name": BASELINE, **_timing_fields(base.total), "categories": {}}
+    for cat in result.categories:
+        stats = base.categories[cat]
+        baseline["categories"][cat] = {
+            "tokens_per_s": _num(stats.timing.tokens_per_s),
+            "new_tokens": stats.timing.new_tokens,
+            "seconds": stats.timing.seconds,
+            "generations": stats.timing.generations,
+        }
+    return {
+        "target": target,
+        "settings": settings,
+        "hardware": hardware,
+        "greedy": result.greedy,
+        "categories": result.categories,
+        "baseline": baseline,
+        "drafts": [_draft_entry(d, base, result.categories) for d in result.drafts],
+    }
+
+
+def _f(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def _exact(x: bool | None) -> str:
+    return "—" if x is None else ("yes" if x else "NO")
+
+
+def _row(name: str, category: str, s: dict) -> list[str]:
+    return [
+        name,
+        category,
+        _f(s["tau"], ".2f"),
+        _f(s["alpha"], ".2f"),
+        _f(s["tokens_per_s"], ".1f"),
+        _f(s["speedup"], ".2f"),
+        _exact(s["exact_match"]),
+    ]
+
+
+def table_rows(report: dict) -> list[list[str]]:
+    """Rows of (draft, category, τ, α, tok/s, speedup, exact): an 'all' row per method, then its categories."""
+    cats = report["categories"] if len(report["categories"]) > 1 else []
+    base = report["baseline"]
+    alone = {"tau": 1.0, "alpha": None, "speedup": 1.0, "exact_match": None}
+    rows = [_row(BASELINE, "all", {**alone, "tokens_per_s": base["tokens_per_s"]})]
+    rows += [
+        _row(BASELINE, c, {**alone, "tokens_per_s": base["categories"][c]["tokens_per_s"]}) for c in cats
+    ]
+    for d in report["drafts"]:
+        rows.append(_row(d["name"], "all", d))
+        rows += [_row(d["name"], c, d["categories"][c]) for c in cats]
+    return rows
+
+
+HEADER = ["draft", "category", "τ", "α", "tok/s", "speedup", "exact"]
+
+
+def format_table(report: dict) -> str:
+    """A plain-text table for the terminal."""
+    rows = [HEADER, *table_rows(report)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    lines = [
+        "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_markdown(report: dict) -> str:
+    """report.md: settings, the table, per-position acceptance and the metric definitions."""
+    s = report["settings"]
+    out = [
+        f"# draftsmith eval: {report['target']}",
+        "",
+        f"- prompts: `{s.get('prompts')}` ({report['baseline']['generations']} generations; "
+        f"categories: {', '.join(report['categories'])})",
+        f"- k = {s.get('k')}, max new tokens = {s.get('max_new_tokens')}, temperature = {s.get('temperature')}, "
+        f"top-k = {s.get('top_k')}, top-p = {s.get('top_p')}, seed = {s.get('seed')}",
+        f"- hardware: {report['hardware']}",
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "|".join(["---", "---"] + ["---:"] * (len(HEADER) - 2)) + "|",
+    ]
+    out += ["| " + " | ".join(r) + " |" for r in table_rows(report)]
+    if report["drafts"]:
+        k = max((len(d["per_position"]) for d in report["drafts"]), default=0)
+        out += ["", "Per-position acceptance, P(token i accepted | tokens before it accepted):", ""]
+        out += ["| draft | " + " | ".join(str(i + 1) for i in range(k)) + " |", "|---" + "|---:" * k + "|"]
+        for d in report["drafts"]:
+            cells = [_f(x, ".2f") for x in d["per_position"]] + ["—"] * (k - len(d["per_position"]))
+            out.append(f"| {d['name']} | " + " | ".join(cells) + " |")
+    out += ["", "```", METRICS, "```", ""]
+    return "\n".join(out)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder and os.replace: readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_report(report: dict, out_dir: str | Path) -> list[Path]:
+    """Write out_dir/report.json and out_dir/report.md (other files in out_dir are left alone)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(
+            f"--out {out} exists and is not a directory; pass a directory for report.json and report.md"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / "report.json", out / "report.md"
+    _write_atomic(json_path, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    _write_atomic(md_path, format_markdown(report))
+    return [json_path, md_path]

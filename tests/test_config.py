@@ -1,0 +1,158 @@
+"""Typed training configs: recipes, dotted overrides, loud errors, help text from docstrings."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftsmith.cli import main
+from draftsmith.train.config import (
+    TrainConfig,
+    build_objective,
+    describe,
+    field_docs,
+    load_config,
+    objective_kinds,
+    parse_overrides,
+    to_dict,
+)
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+PATHS = "--data.paths=[a.jsonl]"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_recipes_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"debug_eagle3.yaml", "quickstart.yaml", "smollm2_eagle3.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_recipe_parses(path):
+    config = load_config(path)
+    assert isinstance(config, TrainConfig) and config.data.paths
+    assert config.draft.kind in objective_kinds()
+
+
+def test_every_key_has_help_text():
+    sections = [type(getattr(TrainConfig(), f.name)) for f in dataclasses.fields(TrainConfig)]
+    for cls in [TrainConfig, *filter(dataclasses.is_dataclass, sections)]:
+        missing = {f.name for f in dataclasses.fields(cls)} - set(field_docs(cls))
+        assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+    text = describe()
+    assert "trainer.max_steps" in text and "Optimizer steps to train for." in text and "draft.options" in text
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = write(
+        tmp_path,
+        "data:\n  paths: [x.jsonl]\noptim:\n  lr: 1e-4\ndraft:\n  kind: eagle3\n  options: {ttt_steps: 2}\n",
+    )
+    config = load_config(
+        path,
+        ["--trainer.max_steps=7", "--optim.betas=[0.8, 0.9]", "--data.pack", "true", "--draft.options.num_layers=2",
+         "--data.limit=null", "--mode=offline", "--trainer.devices=auto"],
+    )  # fmt: skip
+    assert config.optim.lr == 1e-4 and isinstance(config.optim.lr, float)  # YAML 1.1 reads 1e-4 as a string
+    assert config.trainer.max_steps == 7 and config.data.pack is True and config.data.limit is None
+    assert config.optim.betas == (0.8, 0.9) and config.mode == "offline" and config.trainer.devices == "auto"
+    assert config.draft.options == {"ttt_steps": 2, "num_layers": 2}  # merged, not replaced
+    assert config.data.paths == ["x.jsonl"]
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(CONFIGS[0], ["--optim.betas=[0.8, 0.9]"])
+    again = load_config(write(tmp_path, yaml.safe_dump(to_dict(config))))
+    assert again == config
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--trainer.max_step=3"],
+            r"unknown key 'trainer.max_step'.*Did you mean 'max_steps'.*Valid keys: max_steps",
+        ),
+        (["--traner.max_steps=3"], r"unknown key 'traner'.*Did you mean 'trainer'"),
+        (["--trainer=3"], r"trainer is a section; override one of its keys: trainer.max_steps"),
+        (["--optim.lr=fast"], r"optim.lr: expected float, got 'fast'"),
+        (["--trainer.batch_size=2.5"], r"trainer.batch_size: expected int"),
+        (["--mode=sometimes"], r"mode: 'sometimes' is not one of online, offline"),
+        (["--trainer.max_steps=0"], r"trainer.max_steps must be >= 1"),
+        (["--draft.kind=eagle4"], r"unknown key 'eagle4' in draft.kind.*Did you mean 'eagle3'"),
+        (["--trainer.max_steps"], r"has no value"),
+        (["trainer.max_steps=3"], r"write overrides as --section.key=value"),
+    ],
+)
+def test_bad_overrides_are_named(args, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [PATHS, *args])
+
+
+def test_unknown_yaml_key_is_named(tmp_path):
+    path = write(tmp_path, "data:\n  paths: [x.jsonl]\n  max_lenght: 10\n")
+    with pytest.raises(ValueError, match=r"unknown key 'data.max_lenght' in section 'data'.*'max_length'"):
+        load_config(path)
+
+
+def test_empty_data_is_an_error():
+    with pytest.raises(ValueError, match="data.paths is empty"):
+        load_config(None, [])
+
+
+def test_parse_overrides_nests():
+    assert parse_overrides(["--a.b.c=1", "--a.d", "[1, 2]"]) == {"a": {"b": {"c": 1}, "d": [1, 2]}}
+
+
+def test_cli_help_lists_sections(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for key in (
+        "target.spec",
+        "data.paths",
+        "draft.options",
+        "optim.lr",
+        "trainer.val_every",
+        "output.dir",
+        "mode",
+    ):
+        assert key in out
+
+
+def test_cli_unknown_override_exits_with_valid_keys(capsys):
+    code = main(["train", str(CONFIGS[0]), "--optim.learning_rate=1"])
+    assert code == 2
+    assert "unknown key 'optim.learning_rate'" in capsys.readouterr().err
+
+
+def test_objective_options_are_checked():
+    from tiny import tiny_target
+
+    target = tiny_target("llama", layers=4)
+    with pytest.raises(ValueError, match=r"unknown key 'draft.options.ttt_step'.*'ttt_steps'"):
+        build_objective("eagle3", target, {"ttt_step": 2}, None)
+    objective = build_objective("eagle3", target, {"ttt_steps": 2, "draft_vocab_size": 259}, None)
+    assert objective.capture_layers and objective.teacher_topk > 0
+
+
+@pytest.mark.parametrize("resume_at", [1, 2, 4])
+def test_cli_passes_config_and_resume_to_the_loop(monkeypatch, resume_at):
+    import draftsmith.train.loop as loop
+
+    calls = []
+    monkeypatch.setattr(loop, "train", lambda config, resume: calls.append((config, resume)))
+    argv = ["train", str(CONFIGS[0]), "--trainer.max_steps=3"]
+    argv.insert(resume_at, "--resume")
+    assert main(argv) == 0
+    ((config, resume),) = calls
+    assert resume is True and config.trainer.max_steps == 3

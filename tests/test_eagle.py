@@ -1,0 +1,266 @@
+"""EAGLE heads (drafts/eagle.py), their drafter and their objectives, on tiny random targets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny import tiny_target
+from transformers import DynamicCache
+
+from draftsmith.decode.features import LAYER_ID_CONVENTION, capture_layers
+from draftsmith.decode.sampling import Sampling
+from draftsmith.decode.speculative import generate
+from draftsmith.drafts.base import build_drafter
+from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map, check_target, ttt_attention_mask
+from draftsmith.drafts.eagle_drafter import EagleDrafter
+from draftsmith.train.config import build_objective
+from draftsmith.train.objective import Batch, Teacher
+from draftsmith.train.objectives.eagle import EagleObjective, soft_topk_cross_entropy
+
+ARCHS = ["llama", "qwen2"]
+PRESETS = ["eagle1", "eagle3"]
+DRAFT_VOCAB = 120  # < the tiny vocabulary of 259, so EAGLE-3 maps ids
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def target(request):
+    return tiny_target(request.param, layers=8)
+
+
+@pytest.fixture(scope="module")
+def batch(target) -> Batch:
+    return self_distilled_batch(target)
+
+
+def self_distilled_batch(target, n: int = 2, prompt_len: int = 6, new: int = 24) -> Batch:
+    """Prompts of random bytes followed by the target's own greedy continuation (the learnt part)."""
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(n):
+        prompt = torch.randint(0, 256, (prompt_len,), generator=gen)
+        out = generate(target, prompt, None, max_new_tokens=new).tokens
+        rows.append(torch.cat([prompt, torch.tensor(out)]))
+    T = max(len(r) for r in rows)
+    ids = torch.zeros(n, T, dtype=torch.long)
+    attn, learnt = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], attn[i, : len(r)], learnt[i, prompt_len : len(r)] = r, 1, 1
+    return Batch(ids, attn, learnt)
+
+
+def make_teacher(target, batch: Batch, layers, k: int) -> Teacher:
+    with torch.no_grad(), capture_layers(target.model, list(layers)) as store:
+        logits = target.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+        features = {i: store[i].clone() for i in layers}
+    top = logits.topk(k, dim=-1)
+    return Teacher(features, top.values, top.indices)
+
+
+def objective_for(target, preset: str, batch: Batch | None = None, **options) -> EagleObjective:
+    if batch is None:
+        counts = torch.arange(target.vocab_size).flip(0)  # low ids most frequent
+    else:
+        counts = torch.bincount(batch.input_ids[batch.loss_mask.bool()], minlength=target.vocab_size)
+    return build_objective(preset, target, {"draft_vocab_size": DRAFT_VOCAB, **options}, counts)
+
+
+def train(objective, batch, teacher, steps: int = 30, lr: float = 1e-2):
+    torch.manual_seed(0)
+    head = objective.build_draft()
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        out = objective.loss(head, batch, teacher)
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+        losses.append(float(out["loss"].detach()))
+    return head.eval(), losses, out
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_head_shapes(target, preset):
+    cfg = EagleConfig.for_target(target, preset, draft_vocab_size=DRAFT_VOCAB, ttt_steps=2)
+    head = EagleHead(cfg)
+    head.init_from_target(target.model)
+    H, V = target.config.hidden_size, target.vocab_size
+    vd = DRAFT_VOCAB if preset == "eagle3" else V
+    assert cfg.capture_layer_ids == ([7] if preset == "eagle1" else [1, 3, 4])
+    feats = {i: torch.randn(2, 5, H) for i in cfg.capture_layer_ids}
+    out = head(torch.randint(0, V, (2, 5)), feats, steps=2)
+    assert [h.shape for h in out.hidden_states] == [(2, 5, H)] * 2
+    assert [x.shape for x in out.logits] == [(2, 5, vd)] * 2
+    select = torch.zeros(2, 2, 5, dtype=torch.bool)
+    select[:, 0, :3] = True
+    assert head(torch.randint(0, V, (2, 5)), feats, steps=2, logit_masks=select).logits[1].shape == (3, vd)
+    assert not head.embed_tokens.weight.requires_grad
+    assert torch.equal(head.embed_tokens.weight, target.model.get_input_embeddings().weight)
+    if preset == "eagle1":  # the target's final norm + LM head reproduce its logits from the last feature
+        with capture_layers(target.model, [7]) as store:
+            ids = torch.randint(0, V, (1, 6))
+            logits = target.model(input_ids=ids).logits
+        assert torch.allclose(head.draft_logits(store[7]), logits, atol=1e-4)
+        assert not any(p.requires_grad for p in head.norm.parameters())
+
+
+def test_ttt_attention_mask_matches_hand_built():
+    c, e = [[1, 0, 0], [1, 1, 0], [1, 1, 1]], [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+    for step in range(3):
+        expected = torch.tensor(
+            [c[i] + sum((e[i] for _ in range(step)), []) for i in range(3)], dtype=torch.bool
+        )
+        assert torch.equal(ttt_attention_mask(3, step), expected)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_unroll_equals_chain_drafting_with_a_cache(target, preset):
+    """Step j of the TTT unroll at anchor t computes what chain drafting from anchor t computes."""
+    cfg = EagleConfig.for_target(target, preset, draft_vocab_size=DRAFT_VOCAB)
+    torch.manual_seed(0)
+    head = EagleHead(cfg).eval()
+    T, H, t = 9, target.config.hidden_size, 4
+    ids = torch.randint(0, 256, (1, T))
+    feats = {i: torch.randn(1, T, H) for i in cfg.capture_layer_ids}
+    unrolled = head(ids, feats, steps=3).hidden_states
+    cache = DynamicCache()
+    causal = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()[None, None]
+    hidden = head.step(
+        head.fuse(feats)[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None], causal, cache
+    )
+    hidden = hidden[:, -1:]
+    for j in (1, 2):
+        hidden = head.step(hidden, ids[:, t + 1 + j : t + 2 + j], torch.tensor([[t + j]]), None, cache)
+        assert torch.allclose(hidden[0, 0], unrolled[j][0, t], atol=1e-5)
+
+
+def test_build_vocab_map_keeps_the_most_frequent():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    d2t, t2d = build_vocab_map(counts, 3)  # the three largest counts: 9 (id 2), 9 (id 3), 7 (id 5)
+    assert d2t.tolist() == [2, 3, 5]
+    assert t2d.tolist() == [False, False, True, True, False, True]
+    assert torch.equal(t2d.nonzero().squeeze(1), d2t)
+    assert torch.equal(t2d.long().cumsum(0)[d2t] - 1, torch.arange(3))  # draft id of each kept target id
+    d2t, t2d = build_vocab_map(counts, 100)
+    assert torch.equal(d2t, torch.arange(6)) and bool(t2d.all())
+
+
+def test_soft_topk_cross_entropy_by_hand():
+    draft = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    teacher = torch.log(torch.tensor([[0.6, 0.2, 0.2]]))
+    ce, has = soft_topk_cross_entropy(draft, teacher, torch.tensor([[0, 2, -1]]))
+    # teacher renormalised over the in-vocabulary ids: 0.75 on draft id 0, 0.25 on draft id 2
+    expected = -(0.75 * torch.log(torch.tensor(0.5)) + 0.25 * torch.log(torch.tensor(0.25)))
+    assert torch.allclose(ce, expected.view(1)) and has.tolist() == [True]
+    _, has = soft_topk_cross_entropy(draft, teacher, torch.full((1, 3), -1))
+    assert has.tolist() == [False]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_save_load_round_trip_and_target_check(target, preset, tmp_path):
+    head = objective_for(target, preset, ttt_steps=2).build_draft().eval()
+    head.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["draftsmith_kind"] == "eagle" and saved["layer_id_convention"] == LAYER_ID_CONVENTION
+    assert saved["target"] == target.record() and saved["ttt_steps"] == 2
+    loaded = EagleHead.from_pretrained(tmp_path).eval()
+    assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
+    if preset == "eagle3":
+        assert loaded.d2t.tolist() == list(range(DRAFT_VOCAB))
+    feats = {i: torch.randn(1, 6, target.config.hidden_size) for i in head.config.capture_layer_ids}
+    ids = torch.randint(0, 256, (1, 6))
+    for a, b in zip(head(ids, feats, steps=2).logits, loaded(ids, feats, steps=2).logits):
+        assert torch.equal(a, b)
+    drafter = build_drafter(str(tmp_path), target)
+    assert isinstance(drafter, EagleDrafter) and drafter.capture_layers == tuple(
+        head.config.capture_layer_ids
+    )
+
+    with pytest.raises(ValueError, match="checkpoint directory"):
+        build_drafter("eagle", target)
+
+    other = tiny_target("qwen2" if target.config.model_type == "llama" else "llama", layers=8)
+    with pytest.raises(ValueError, match=rf"{target.name}.*{other.name}.*model_type"):
+        build_drafter(str(tmp_path), other)
+    deeper = tiny_target(target.config.model_type, layers=6)
+    with pytest.raises(ValueError, match="num_hidden_layers differs"):
+        check_target(loaded.config, deeper)
+
+
+def test_eagle3_needs_token_counts_for_a_reduced_vocabulary(target):
+    with pytest.raises(ValueError, match="token_counts"):
+        build_objective("eagle3", target, {"draft_vocab_size": DRAFT_VOCAB})
+    full = build_objective("eagle3", target, {"draft_vocab_size": 10_000}).build_draft()
+    assert full.config.draft_vocab_size == 259 and torch.equal(full.d2t, torch.arange(259))
+    with pytest.raises(ValueError, match="step_decay"):  # a misspelt option names the right one
+        build_objective("eagle3", target, {"step_decy": 0.5})
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_loss_counts_only_learnt_positions(target, batch, preset):
+    objective = objective_for(target, preset, batch, ttt_steps=2)
+    teacher = make_teacher(target, batch, objective.capture_layers, objective.teacher_topk)
+    head = objective.build_draft()
+    before = objective.loss(head, batch, teacher)
+    # learnt tokens start at 6, so teacher positions 0..4 (which predict tokens 1..5) are never scored
+    teacher.topk_logits[:, :5] = torch.randn_like(teacher.topk_logits[:, :5])  # (a fresh Teacher per test)
+    teacher.topk_ids[:, :5] = teacher.topk_ids[:, :5].roll(1, dims=-1)
+    after = objective.loss(head, batch, teacher)
+    assert torch.equal(before["loss"], after["loss"])
+    assert float(before["tokens"]) == float(batch.loss_mask[:, 2:].sum())
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_loss_decreases_and_decoding_stays_lossless(target, batch, preset):
+    objective = objective_for(target, preset, batch, ttt_steps=3 if preset == "eagle3" else 1)
+    teacher = make_teacher(target, batch, objective.capture_layers, objective.teacher_topk)
+    untrained = objective.build_draft().eval()
+    k = 3
+    hist_before = objective.acceptance(untrained, batch, teacher, k)
+    head, losses, logs = train(objective, batch, teacher)
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.7 * losses[0], losses
+    steps = 3 if preset == "eagle3" else 1
+    assert {f"acc_{j}" for j in range(steps)} | {"oov_frac", "loss"} <= set(logs)
+    hist_after = objective.acceptance(head, batch, teacher, k)
+    assert hist_after.shape == (k + 1,) and int(hist_after.sum()) == int(hist_before.sum()) > 0
+    mean_len = lambda h: float((h * torch.arange(k + 1)).sum() / h.sum())  # noqa: E731
+    assert mean_len(hist_after) > mean_len(hist_before)
+
+    prompt = batch.input_ids[0, :6]
+    reference = generate(target, prompt, None, max_new_tokens=20).tokens
+    for h in (untrained, head):
+        result = generate(target, prompt, EagleDrafter(h), k=4, max_new_tokens=20)
+        assert result.tokens == reference
+    assert sum(result.accepted) > 0  # trained on this very continuation: some drafts are accepted
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_sampled_decoding_returns_valid_tokens(target, preset):
+    head = objective_for(target, preset).build_draft().eval()
+    drafter = EagleDrafter(head)
+    prompt = torch.randint(0, 256, (7,))
+    sampling = Sampling(temperature=0.9, top_k=50)
+    result = generate(
+        target,
+        prompt,
+        drafter,
+        k=3,
+        max_new_tokens=12,
+        sampling=sampling,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert 1 <= len(result.tokens) <= 12 and all(0 <= t < target.vocab_size for t in result.tokens)
+    # a proposal's distributions live on the target vocabulary and vanish outside the draft vocabulary
+    target.reset()
+    target.set_capture(drafter.capture_layers)
+    step = target.forward(prompt)
+    drafter.begin(prompt, step.features)
+    tokens = torch.cat([prompt, step.logits[-1:].argmax(-1)])
+    proposal = drafter.propose(tokens, 3, sampling, torch.Generator().manual_seed(0))
+    assert proposal.probs.shape == (3, target.vocab_size)
+    assert torch.allclose(proposal.probs.sum(-1), torch.ones(3))
+    assert float(proposal.probs[:, ~head.t2d].sum()) == 0.0
+    assert bool(head.t2d[proposal.tokens].all())
+    target.set_capture(())

@@ -1,0 +1,106 @@
+"""Offline feature cache: written once, read back equal to the online teacher, resumable, trainable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_loop import QUIET, Probe, conversations, make_config, tiny_target_dir  # noqa: F401 (fixtures)
+from tiny import tiny_target
+
+from draftsmith.train.data import build_dataset, collate
+from draftsmith.train.feature_cache import (
+    FeatureCache,
+    build_feature_cache,
+    bytes_per_token,
+    collate_cached,
+)
+from draftsmith.train.loop import train
+from draftsmith.train.teacher import compute_teacher
+
+LAYERS, TOPK = (0, 1), 5
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", layers=2)
+
+
+@pytest.fixture(scope="module")
+def rows(target, conversations):  # noqa: F811
+    return build_dataset([conversations], target.tokenizer, max_length=48, seed=0).select(range(11))
+
+
+def test_cache_reads_back_the_online_teacher(target, rows, tmp_path, capsys):
+    cache_dir = build_feature_cache(
+        target, rows, tmp_path / "cache", LAYERS, TOPK, examples_per_shard=4, batch_size=3
+    )
+    printed = capsys.readouterr().out
+    per_token = bytes_per_token(32, len(LAYERS), TOPK, torch.bfloat16)
+    assert f"{per_token:,} bytes/token" in printed and "3 shards" in printed
+    assert sorted(p.name for p in cache_dir.glob("shard-*")) == [
+        f"shard-0000{i}.safetensors" for i in range(3)
+    ]
+
+    cache = FeatureCache(cache_dir)
+    assert len(cache) == len(rows)
+    picks = [0, 5, 10]  # one example from each shard
+    batch, teacher = collate_cached([cache[i] for i in picks], pad_id=0, dtype=target.dtype)
+    online_batch = collate([rows[i] for i in picks], pad_id=0)
+    online = compute_teacher(target, online_batch, LAYERS, TOPK)
+
+    assert torch.equal(batch.input_ids, online_batch.input_ids)
+    assert torch.equal(batch.loss_mask, online_batch.loss_mask)
+    assert torch.equal(batch.attention_mask, online_batch.attention_mask)
+    real = batch.attention_mask.bool()
+    for layer in LAYERS:
+        got, want = teacher.features[layer][real], online.features[layer][real]
+        assert got.dtype == target.dtype
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-5)  # bf16 rounding
+    torch.testing.assert_close(teacher.topk_logits[real], online.topk_logits[real], rtol=2**-7, atol=1e-5)
+    assert torch.equal(teacher.topk_ids[real], online.topk_ids[real])
+
+
+def test_cache_resumes_and_refuses_a_different_cache(target, rows, tmp_path, capsys):
+    cache_dir = build_feature_cache(target, rows, tmp_path / "cache", LAYERS, TOPK, examples_per_shard=4)
+    stamps = {p.name: p.stat().st_mtime_ns for p in cache_dir.glob("shard-*")}
+    (cache_dir / "shard-00001.safetensors").unlink()  # as if the run died while writing it
+    capsys.readouterr()
+    build_feature_cache(target, rows, cache_dir, LAYERS, TOPK, examples_per_shard=4)
+    assert "2 of 3 shards already complete" in capsys.readouterr().out
+    after = {p.name: p.stat().st_mtime_ns for p in cache_dir.glob("shard-*")}
+    assert set(after) == set(stamps) and not list(cache_dir.glob(".*tmp*"))
+    assert after["shard-00000.safetensors"] == stamps["shard-00000.safetensors"]
+    assert after["shard-00002.safetensors"] == stamps["shard-00002.safetensors"]
+
+    with pytest.raises(ValueError, match="topk"):
+        build_feature_cache(target, rows, cache_dir, LAYERS, TOPK + 1, examples_per_shard=4)
+
+
+def test_incomplete_cache_is_an_error(target, rows, tmp_path):
+    cache_dir = build_feature_cache(target, rows, tmp_path / "cache", LAYERS, TOPK, examples_per_shard=4)
+    (cache_dir / "shard-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="shard-00002"):
+        FeatureCache(cache_dir)
+
+
+def test_offline_training_runs(tiny_target_dir, conversations, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    config = make_config(tiny_target_dir, conversations, out, "--mode=offline", "--trainer.max_steps=4")
+    probe = Probe()
+    result = train(config, callbacks=[probe], **QUIET)
+    assert result.steps == 4 and (out / "feature_cache" / "train" / "cache.json").exists()
+    assert (result.draft_dir / "model.safetensors").exists()
+    losses = probe.objective.train_losses
+    assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_full_logits_cache_stores_no_ids(target, rows, tmp_path):
+    from safetensors import safe_open
+
+    cache_dir = build_feature_cache(target, rows, tmp_path / "full", (1,), 10**6, examples_per_shard=8)
+    with safe_open(str(cache_dir / "shard-00000.safetensors"), "pt") as f:
+        assert "topk_ids" not in f.keys() and f.get_slice("topk_logits").get_shape()[-1] == target.vocab_size
+    batch, teacher = collate_cached([FeatureCache(cache_dir)[9]], pad_id=0)
+    online = compute_teacher(target, batch, (1,), target.vocab_size)
+    assert torch.equal(teacher.topk_ids, online.topk_ids)  # 0..V-1 at every position
+    torch.testing.assert_close(teacher.topk_logits, online.topk_logits, rtol=2**-7, atol=1e-5)

@@ -1,0 +1,256 @@
+"""The one training loop, driven by a tiny objective of its own: a linear next-token head over the
+target's last-layer features, distilled from the target's top-k logits. Tiny target, CPU, seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny import tiny_model, tiny_tokenizer
+from torch import nn
+
+from draftsmith.train.config import load_config, register_objective
+from draftsmith.train.loop import acceptance_summary, lr_factor, train
+from draftsmith.train.objective import Batch, Objective, Teacher
+
+
+class LinearHead(Objective):
+    """Draft = Linear(H, V) over the target's layer-``layer`` output; loss = CE against the target's top-k."""
+
+    kind = "test-linear"
+    teacher_topk = 8
+
+    def __init__(self, target, layer: int = -1, token_counts=None):
+        n = target.config.num_hidden_layers
+        self.capture_layers = (layer % n,)
+        self.hidden, self.vocab = target.config.hidden_size, target.vocab_size
+        self.token_counts = token_counts
+        self.train_losses: list[float] = []
+
+    def build_draft(self) -> nn.Module:
+        return nn.Linear(self.hidden, self.vocab)
+
+    def _logits(self, draft, teacher):
+        return draft(teacher.features[self.capture_layers[0]].float())  # [B, T, V]
+
+    def loss(self, draft, batch: Batch, teacher: Teacher) -> dict[str, torch.Tensor]:
+        logp = self._logits(draft, teacher).log_softmax(-1)
+        p = teacher.topk_logits.float().softmax(-1)  # target's distribution over its top-k
+        ce = -(p * logp.gather(-1, teacher.topk_ids)).sum(-1)  # [B, T]
+        mask = batch.loss_mask[:, 1:].float()  # position t predicts token t + 1
+        loss = (ce[:, :-1] * mask).sum() / mask.sum().clamp(min=1)
+        if draft.training:
+            self.train_losses.append(float(loss.detach()))
+        return {"loss": loss, "masked_tokens": mask.sum()}
+
+    @torch.no_grad()
+    def acceptance(self, draft, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
+        match = (
+            self._logits(draft, teacher).argmax(-1) == teacher.topk_ids[..., 0]
+        ) & batch.attention_mask.bool()
+        hist = torch.zeros(k + 1)
+        for b in range(match.shape[0]):
+            row = match[b].tolist()
+            for t in range(len(row) - 1):
+                if batch.loss_mask[b, t + 1]:
+                    n = 0
+                    while n < k and t + n < len(row) and row[t + n]:
+                        n += 1
+                    hist[n] += 1
+        return hist
+
+    def save(self, draft, directory: Path) -> None:
+        save_file(draft.state_dict(), str(directory / "model.safetensors"))
+
+
+register_objective("test-linear")(
+    lambda target, options, counts: LinearHead(target, token_counts=counts, **options)
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("target")
+    tiny_model("llama", layers=2).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "convs.jsonl"
+    with path.open("w") as f:
+        for i in range(24):
+            turns = [
+                {"from": "human", "value": f"count from {i}"},
+                {"from": "gpt", "value": f"{i} {i + 1} {i + 2}"},
+            ]
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    return path
+
+
+def make_config(target_dir, data, out, *extra: str):
+    args = [
+        f"--target.spec={target_dir}",
+        "--target.device=cpu",
+        f"--data.paths=[{data}]",
+        "--data.max_length=48",
+        "--data.heldout=4",
+        "--draft.kind=test-linear",
+        "--optim.lr=0.1",
+        "--optim.warmup_steps=1",
+        "--optim.schedule=constant",
+        "--trainer.batch_size=4",
+        "--trainer.accelerator=cpu",
+        "--trainer.log_every=1",
+        f"--output.dir={out}",
+        *extra,
+    ]
+    return load_config(None, args)
+
+
+QUIET = dict(enable_progress_bar=False)
+
+
+class Probe(L.Callback):
+    """Records what the tests check: start step, optimizer params, draft weights before and after."""
+
+    def __init__(self, crash_at: int | None = None):
+        self.crash_at = crash_at
+
+    def on_train_start(self, trainer, module):
+        self.start_step = trainer.global_step
+        self.draft_before = {k: v.clone() for k, v in module.draft.state_dict().items()}
+        self.target_params = list(module.target.model.parameters())
+        self.optimized = [p for g in trainer.optimizers[0].param_groups for p in g["params"]]
+        self.submodules = list(module.modules())
+        self.objective = module.objective
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if self.crash_at is not None and trainer.global_step == self.crash_at:
+            raise RuntimeError("simulated crash")
+
+
+def test_acceptance_summary_by_hand():
+    # 2 positions accepted 0 drafts, 1 accepted 1, 1 accepted 2 (k = 2): τ = (0+0+1+2)/4 + 1
+    s = acceptance_summary(torch.tensor([2.0, 1.0, 1.0]))
+    assert s["tau"] == pytest.approx(1.75)
+    assert s["acc_pos_1"] == pytest.approx(2 / 4) and s["acc_pos_2"] == pytest.approx(1 / 2)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    f = [lr_factor(s, warmup=2, max_steps=10, schedule="cosine", min_ratio=0.1) for s in range(11)]
+    assert f[0] == 0.5 and f[1] == 1.0 and f[2] == 1.0
+    assert all(a >= b for a, b in zip(f[2:], f[3:])) and f[10] == pytest.approx(0.1)
+
+
+def test_training_learns_and_leaves_target_alone(tiny_target_dir, conversations, tmp_path, capsys):
+    out = tmp_path / "run"
+    config = make_config(
+        tiny_target_dir, conversations, out, "--trainer.max_steps=12", "--trainer.val_every=6"
+    )
+    probe = Probe()
+    from draftsmith.decode.target import load_target
+
+    target = load_target(str(tiny_target_dir), device="cpu")
+    target_before = {k: v.clone() for k, v in target.model.state_dict().items()}
+    result = train(config, target=target, callbacks=[probe], **QUIET)
+
+    assert result.steps == 12
+    losses = probe.objective.train_losses
+    assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-3:]) < 0.85 * sum(losses[:3]), losses
+    # target: frozen, not a submodule, not optimized, unchanged
+    assert not any(p is q for p in probe.optimized for q in probe.target_params)
+    assert not any(m is target.model for m in probe.submodules)
+    for k, v in target.model.state_dict().items():
+        assert torch.equal(v, target_before[k]), k
+    # draft changed, checkpoint and export written
+    draft_after = load_file(str(result.draft_dir / "model.safetensors"))
+    assert any(not torch.equal(draft_after[k], probe.draft_before[k]) for k in draft_after)
+    assert result.checkpoint == out / "checkpoints" / "last.ckpt" and result.checkpoint.exists()
+    assert not list((out / "checkpoints").glob(".*tmp*"))
+    ckpt = torch.load(result.checkpoint, weights_only=False)
+    assert ckpt["global_step"] == 12 and all(k.startswith("draft.") for k in ckpt["state_dict"])
+    assert (result.draft_dir / "train_config.yaml").exists() and (out / "config.yaml").exists()
+    counts = load_file(str(out / "token_counts.safetensors"))["token_counts"]
+    assert counts.shape == (target.vocab_size,) and counts.sum() > 0
+    # validation metrics reached the CSV log
+    metrics = (next((out / "logs").rglob("metrics.csv"))).read_text()
+    assert "val/tau" in metrics and "val/acc_pos_1" in metrics and "train/loss" in metrics
+    assert 1.0 <= result.val["tau"] <= 1.0 + config.trainer.val_k
+    assert "final val τ" in capsys.readouterr().out
+
+
+def test_resume_continues_from_last_checkpoint(tiny_target_dir, conversations, tmp_path):
+    out = tmp_path / "run"
+    args = ("--trainer.max_steps=6", "--trainer.ckpt_every=2", "--trainer.val_every=100")
+    config = make_config(tiny_target_dir, conversations, out, *args)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(config, callbacks=[Probe(crash_at=5)], **QUIET)
+    saved = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 4
+    with pytest.raises(ValueError, match="--resume"):  # refuses to overwrite a run silently
+        train(config, **QUIET)
+
+    probe = Probe()
+    result = train(config, resume=True, callbacks=[probe], **QUIET)
+    assert probe.start_step == 4 and result.steps == 6
+    for name, value in saved["state_dict"].items():  # weights restored, not re-initialised
+        assert torch.equal(probe.draft_before[name.removeprefix("draft.")], value)
+    optimizer = saved["optimizer_states"][0]["state"]
+    assert optimizer and all(int(s["step"]) == 4 for s in optimizer.values())
+    assert torch.load(result.checkpoint, weights_only=False)["global_step"] == 6
+
+
+def test_resume_without_checkpoint_is_an_error(tiny_target_dir, conversations, tmp_path):
+    config = make_config(tiny_target_dir, conversations, tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(config, resume=True, **QUIET)
+
+
+def test_eagle3_objective_trains_in_the_loop(tiny_target_dir, conversations, tmp_path):
+    """The real EAGLE-3 objective through the same loop: a few steps, exported with save_pretrained."""
+    out = tmp_path / "eagle"
+    config = make_config(
+        tiny_target_dir, conversations, out, "--draft.kind=eagle3", "--trainer.max_steps=2", "--trainer.val_k=2",
+        "--draft.options={draft_vocab_size: 64, ttt_steps: 2}", "--optim.lr=1e-3",
+    )  # fmt: skip
+    result = train(config, **QUIET)
+    assert result.steps == 2 and (result.draft_dir / "config.json").exists()
+    assert 1.0 <= result.val["tau"] <= 3.0
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    from draftsmith.train.checkpoint import AtomicCheckpointIO, last_checkpoint, replace_dir_atomic
+
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 1}, path)
+    assert last_checkpoint(tmp_path) == path
+
+    def dies_midway(obj, f):
+        Path(f).write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", dies_midway)
+    with pytest.raises(OSError, match="disk full"):
+        AtomicCheckpointIO().save_checkpoint({"global_step": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=False)["global_step"] == 1  # the old one, whole
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
+
+    draft = tmp_path / "draft"
+    replace_dir_atomic(draft, lambda d: (d / "a.txt").write_text("v1"))
+
+    def fails(d):
+        (d / "a.txt").write_text("half")
+        raise RuntimeError("export failed")
+
+    with pytest.raises(RuntimeError):
+        replace_dir_atomic(draft, fails)
+    assert (draft / "a.txt").read_text() == "v1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "draft"]  # no temp dirs left

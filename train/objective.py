@@ -1,0 +1,71 @@
+"""What a draft kind brings to the one training loop.
+
+The loop (``train/loop.py``) owns data, the frozen target, optimisation, checkpoints and logs. A
+draft kind owns its model and its loss: it subclasses ``Objective``. The loop gives every step a
+``Batch`` of tokens and the ``Teacher`` outputs for it — computed online by a target forward, or
+read back from the offline feature cache; the objective never runs the target itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Batch:
+    """Padded token batch. Shapes: [B, T]."""
+
+    input_ids: torch.Tensor  # int64
+    attention_mask: torch.Tensor  # 1 = real token, 0 = padding
+    loss_mask: torch.Tensor  # 1 where the token at this position is an assistant token to be learnt
+    position_ids: torch.Tensor | None = None
+    """Packed rows only: positions restart at 0 where each conversation starts (see train/data.py)."""
+
+
+@dataclass
+class Teacher:
+    """The frozen target's view of a Batch.
+
+    ``features``: {layer_id: [B, T, H]} for the layers the objective asked for (0-based "output
+    of layer i", see ``decode/features.py``), in the target's dtype.
+    ``topk_logits`` / ``topk_ids``: [B, T, K] the target's K largest next-token logits at each
+    position and their ids (K = the objective's ``teacher_topk``; K = V means the full logits).
+    """
+
+    features: dict[int, torch.Tensor]
+    topk_logits: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+
+
+class Objective(ABC):
+    """One draft kind's model and loss."""
+
+    kind: str = "objective"
+    capture_layers: tuple[int, ...] = ()
+    """Target layers whose outputs the loss needs (resolved, 0-based)."""
+    teacher_topk: int = 0
+    """How many of the target's next-token logits per position the loss needs (0 = none)."""
+
+    @abstractmethod
+    def build_draft(self) -> nn.Module:
+        """The trainable draft module (a PreTrainedModel, so save_pretrained works)."""
+
+    @abstractmethod
+    def loss(self, draft: nn.Module, batch: Batch, teacher: Teacher) -> dict[str, torch.Tensor]:
+        """``{"loss": scalar to minimise, ...other scalars to log}``."""
+
+    @abstractmethod
+    @torch.no_grad()
+    def acceptance(self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
+        """Simulated greedy acceptance on held-out data: counts [k + 1] — how many positions the draft
+        would have proposed and had accepted at each chain depth, as a histogram of accepted lengths
+        (entry j = number of positions where exactly j drafted tokens match the target's greedy tokens)."""
+
+    def save(self, draft: nn.Module, directory: Path) -> None:
+        """Write a checkpoint ``draftsmith eval --draft DIR`` can load (default: save_pretrained)."""
+        draft.save_pretrained(directory)

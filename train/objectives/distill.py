@@ -1,0 +1,370 @@
+"""DistillSpec-style distillation of a small causal-LM draft (``draft.kind: distill``).
+
+The draft is an ordinary causal LM on the target's tokenizer (``drafts/small_lm.py``), trained to
+match the target's next-token distribution with one of the divergences of ``train/losses.py``.
+Alignment: the draft's and the teacher's logits at position t both predict token t + 1, so
+position t is learnt when token t + 1 is a real assistant token (``next_token_mask``).
+
+Options (``draft.options``), all optional:
+
+- ``init``: ``"target_layers"`` (copies of target layers ``layer_ids``, default ``num_layers``
+  evenly spaced layers, first and last included), ``"config"`` (fresh model with ``num_layers``,
+  ``hidden_size``, ``intermediate_size``), or ``"pretrained"`` (load ``path``).
+- ``loss``: ``fkl`` | ``rkl`` | ``jsd`` (with ``beta``) | ``tvd`` | ``ce`` (on the teacher's greedy
+  tokens, or the data's with ``ce_labels: data``); ``temperature`` softens both distributions.
+- ``teacher_topk``: 0 = full logits, else the loss sees only the teacher's top-k (see losses.py).
+- ``lora``: None or ``{r, alpha, dropout, target_modules}``; ``merge_lora`` on save.
+- ``dtype``: the draft's training dtype (default float32); ``seed`` for a fresh init.
+
+On-policy data (DistillSpec): ``mix_on_policy`` replaces a fraction of a batch's rows with the
+draft's own continuations of their prompts, for the loop to score with the target.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from draftsmith.decode.sampling import Sampling, sample, to_probs
+from draftsmith.decode.target import Target, resolve_dtype
+from draftsmith.drafts import small_lm
+from draftsmith.train.config import register_objective
+from draftsmith.train.data import collate
+from draftsmith.train.losses import LOSSES, TokenLoss, distillation_loss, teacher_labels, token_count
+from draftsmith.train.objective import Batch, Objective, Teacher
+
+INITS = ("target_layers", "config", "pretrained")
+DEFAULTS: dict[str, Any] = {
+    "init": "target_layers",
+    "num_layers": 2,
+    "layer_ids": None,
+    "hidden_size": None,
+    "intermediate_size": None,
+    "path": None,
+    "loss": "fkl",
+    "beta": 0.5,
+    "temperature": 1.0,
+    "teacher_topk": 0,
+    "ce_labels": "teacher",
+    "lora": None,
+    "merge_lora": True,
+    "dtype": "float32",
+    "seed": 0,
+}
+
+
+def next_token_mask(batch: Batch) -> torch.Tensor:
+    """[B, T - 1] bool: position t is learnt when token t + 1 is a real assistant token."""
+    return (batch.loss_mask[:, 1:] > 0) & (batch.attention_mask[:, 1:] > 0)
+
+
+def evenly_spaced(num_layers: int, total: int) -> list[int]:
+    """``num_layers`` layer ids spread over 0..total-1, first and last included."""
+    if not 1 <= num_layers <= total:
+        raise ValueError(f"num_layers={num_layers} must be within 1..{total} (the target's layer count)")
+    if num_layers == 1:
+        return [total - 1]
+    return sorted({round(i * (total - 1) / (num_layers - 1)) for i in range(num_layers)})
+
+
+def chain_acceptance_histogram(agree: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """Counts [k + 1]: for each valid start t, the run of consecutive agreements from t (capped at k).
+
+    ``agree`` / ``valid`` [B, T]. A run stops at the first disagreement, invalid position or row end.
+    """
+    ok = agree.bool() & valid.bool()
+    run = ok.clone()
+    lengths = torch.zeros(ok.shape, dtype=torch.long, device=ok.device)
+    for j in range(k):
+        if j > 0:
+            ahead = torch.zeros_like(ok)
+            ahead[:, : ok.shape[1] - j] = ok[:, j:]
+            run = run & ahead
+        lengths += run.long()
+    return torch.bincount(lengths[valid.bool()], minlength=k + 1).cpu()
+
+
+class DistillObjective(Objective):
+    """A small causal LM distilled from the target's next-token distributions."""
+
+    kind = "distill"
+    capture_layers = ()
+
+    def __init__(self, target: Target, options: dict[str, Any] | None = None):
+        unknown = sorted(set(options or {}) - set(DEFAULTS))
+        if unknown:
+            raise ValueError(f"unknown distill option(s) {unknown}; valid options: {', '.join(DEFAULTS)}")
+        opts = {**DEFAULTS, **(options or {})}
+        if opts["init"] not in INITS:
+            raise ValueError(f"distill option init={opts['init']!r}; choose one of {', '.join(INITS)}")
+        if opts["loss"] not in LOSSES:
+            raise ValueError(f"distill option loss={opts['loss']!r}; choose one of {', '.join(LOSSES)}")
+        if opts["ce_labels"] not in ("teacher", "data"):
+            raise ValueError(f"distill option ce_labels={opts['ce_labels']!r}; choose 'teacher' or 'data'")
+        if opts["init"] == "pretrained" and not opts["path"]:
+            raise ValueError("distill option init='pretrained' needs path: a model directory or Hub id")
+        if not 0.0 <= float(opts["beta"]) <= 1.0 or float(opts["temperature"]) <= 0:
+            raise ValueError(
+                f"distill needs 0 <= beta <= 1 and temperature > 0, got {opts['beta']}, {opts['temperature']}"
+            )
+        topk = int(opts["teacher_topk"])
+        if topk < 0:
+            raise ValueError(f"distill option teacher_topk={topk} must be >= 0 (0 = the full logits)")
+        self.target = target
+        self.options = opts
+        self.teacher_topk = target.vocab_size if topk == 0 else min(topk, target.vocab_size)
+        self.merge_lora = bool(opts["merge_lora"])
+
+    def build_draft(self) -> nn.Module:
+        o, target = self.options, self.target
+        dtype = resolve_dtype(o["dtype"])
+        if o["init"] == "config":
+            model = small_lm.from_config(
+                target,
+                int(o["num_layers"]),
+                o["hidden_size"],
+                o["intermediate_size"],
+                dtype=dtype,
+                seed=o["seed"],
+            )
+        elif o["init"] == "target_layers":
+            total = int(target.config.num_hidden_layers)
+            ids = o["layer_ids"] if o["layer_ids"] is not None else evenly_spaced(int(o["num_layers"]), total)
+            model = small_lm.from_target_layers(target, [int(i) for i in ids], dtype=dtype)
+        else:
+            model = small_lm.from_pretrained_draft(str(o["path"]), target, dtype=dtype)
+        if o["lora"] is not None:
+            model = small_lm.apply_lora(model, **dict(o["lora"]))
+        return model
+
+    def _teacher(self, teacher: Teacher) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher logits for positions 0..T-2 and ids (None when they are the full vocabulary)."""
+        if teacher.topk_logits is None or teacher.topk_ids is None:
+            raise ValueError("the distill objective needs Teacher.topk_logits/topk_ids (teacher_topk > 0)")
+        values, ids = teacher.topk_logits[:, :-1], teacher.topk_ids[:, :-1]
+        if values.shape[-1] == self.target.vocab_size:  # all logits: put them back in vocabulary order
+            return values.new_empty(values.shape).scatter_(-1, ids.long(), values), None
+        return values, ids
+
+    def _draft_logits(self, draft: nn.Module, batch: Batch) -> torch.Tensor:
+        device = next(draft.parameters()).device
+        extra = {}
+        if getattr(batch, "position_ids", None) is not None:
+            extra["position_ids"] = batch.position_ids.to(device)
+        out = draft(
+            input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), **extra
+        )
+        return out.logits[:, :-1]
+
+    def loss(
+        self, draft: nn.Module, batch: Batch, teacher: Teacher, num_tokens: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``loss`` = Σ per-token loss / ``num_tokens`` (default: this batch's own token count).
+
+        For exact gradient accumulation pass ``num_tokens`` = the token count of the whole
+        optimiser step (Σ of ``num_loss_tokens`` over its micro-batches), or backpropagate
+        ``loss_sum / N`` yourself (``loss_sum`` is differentiable; ``num_tokens`` is this batch's count).
+        """
+        o = self.options
+        logits = self._draft_logits(draft, batch)
+        mask = next_token_mask(batch).to(logits.device)
+        t_logits, t_ids = self._teacher(teacher)
+        t_logits, t_ids = t_logits.to(logits.device), None if t_ids is None else t_ids.to(logits.device)
+        greedy = teacher_labels(t_logits, t_ids)
+        labels = batch.input_ids[:, 1:].to(logits.device) if o["ce_labels"] == "data" else greedy
+        temperature, beta = float(o["temperature"]), float(o["beta"])
+        result: TokenLoss = distillation_loss(
+            o["loss"],
+            logits,
+            t_logits,
+            mask,
+            teacher_ids=t_ids,
+            temperature=temperature,
+            beta=beta,
+            labels=labels,
+        )
+        with torch.no_grad():
+            agree = (logits.argmax(-1) == greedy)[mask].float()
+            agreement = agree.mean() if agree.numel() else agree.new_zeros(())
+        return {
+            "loss": result.mean(num_tokens),
+            "loss_sum": result.total,
+            "num_tokens": result.count,
+            "top1_agreement": agreement,
+        }
+
+    @staticmethod
+    def num_loss_tokens(batch: Batch) -> int:
+        """How many positions ``loss`` sums over for this batch (add these up for ``num_tokens``)."""
+        return int(token_count(next_token_mask(batch)))
+
+    @torch.no_grad()
+    def acceptance(self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
+        """Simulated greedy chain acceptance, histogram [k + 1] over start positions.
+
+        Approximation: one teacher-forced pass. At each valid position the draft's greedy token is
+        compared with the teacher's; the accepted length from position t is the run of consecutive
+        agreements t, t+1, ... (capped at k). Real chain drafting conditions depth j on the draft's
+        own earlier tokens, which equal the data only when the data is the target's own greedy
+        output; on other data this estimates acceptance on the data's path, not the target's.
+        """
+        logits = self._draft_logits(draft, batch)
+        mask = next_token_mask(batch).to(logits.device)
+        t_logits, t_ids = self._teacher(teacher)
+        greedy = teacher_labels(
+            t_logits.to(logits.device), None if t_ids is None else t_ids.to(logits.device)
+        )
+        return chain_acceptance_histogram(logits.argmax(-1) == greedy, mask, k)
+
+    def save(self, draft: nn.Module, directory: Path) -> None:
+        """A plain causal-LM directory (loads as a ``causal_lm`` draft) recording its target."""
+        small_lm.save_draft(draft, self.target.tokenizer, self.target, directory, merge=self.merge_lora)
+
+
+@register_objective("distill")
+def _build_objective(target: Target, options: dict[str, Any], token_counts=None) -> DistillObjective:
+    return DistillObjective(target, options)
+
+
+# --------------------------------------------------------------------------- on-policy data
+
+
+def prompt_prefixes(batch: Batch) -> list[torch.Tensor]:
+    """Each row's tokens before its first assistant token (the whole row if it has none).
+
+    The draft continues from there; later turns of a multi-turn row are dropped.
+    """
+    prefixes = []
+    for ids, real, learn in zip(batch.input_ids, batch.attention_mask.bool(), batch.loss_mask.bool()):
+        starts = torch.nonzero(learn & real).flatten()
+        end = int(starts[0]) if starts.numel() else int(real.sum())
+        prefixes.append(ids[real][:end])
+    return prefixes
+
+
+def _pad_id(target: Target) -> int:
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return int(pad) if pad is not None else 0
+
+
+@torch.no_grad()
+def sample_on_policy(
+    draft: nn.Module,
+    target: Target,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Batch:
+    """The draft's own continuations (up to EOS or max_new_tokens) of each prompt, batched.
+
+    Returns a right-padded Batch: prompt tokens (loss_mask 0) then the sampled tokens (loss_mask 1),
+    ready for the loop to score with the target. ``temperature`` 0 samples greedily.
+    """
+    if not prompts or max_new_tokens < 1:
+        raise ValueError(
+            f"need at least one prompt and max_new_tokens >= 1 (got {len(prompts)}, {max_new_tokens})"
+        )
+    if any(p.numel() == 0 for p in prompts):
+        raise ValueError("an on-policy prompt is empty: every prompt needs at least one token")
+    device = next(draft.parameters()).device
+    pad = _pad_id(target)
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
+    attn = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):  # left padding: every row's next token is at the same column
+        ids[b, width - p.numel() :] = p.to(device)
+        attn[b, width - p.numel() :] = 1
+    positions = (attn.cumsum(-1) - 1).clamp_min(0)
+    eos = torch.tensor(sorted(target.eos_ids), dtype=torch.long, device=device)
+    sampling = Sampling(temperature=temperature)
+    was_training = draft.training
+    draft.eval()
+    try:
+        cache = DynamicCache(config=draft.config)
+        out = draft(input_ids=ids, attention_mask=attn, position_ids=positions, cache=cache, use_cache=True)
+        finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        new: list[torch.Tensor] = []
+        for step in range(max_new_tokens):
+            logits = out.logits[:, -1].float()
+            tok = logits.argmax(-1) if sampling.greedy else sample(to_probs(logits, sampling), generator)
+            tok = torch.where(finished, pad, tok)
+            new.append(tok)
+            finished |= torch.isin(tok, eos)
+            if bool(finished.all()) or step == max_new_tokens - 1:
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+            out = draft(
+                input_ids=tok[:, None],
+                attention_mask=attn,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+            )
+    finally:
+        draft.train(was_training)
+    generated = torch.stack(new, dim=1).cpu()
+    rows = []
+    for p, g in zip(prompts, generated):
+        stops = torch.nonzero(torch.isin(g, eos.cpu())).flatten()
+        g = g[: int(stops[0]) + 1] if stops.numel() else g
+        rows.append(
+            {
+                "input_ids": torch.cat([p.cpu(), g]),
+                "loss_mask": torch.cat([torch.zeros_like(p.cpu()), torch.ones_like(g)]),
+            }
+        )
+    return collate(rows, pad)
+
+
+def on_policy_rows(
+    batch_size: int, fraction: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Which rows to replace: ``fraction`` of them in expectation (stochastic rounding), at random."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"on-policy fraction must be in [0, 1], got {fraction}")
+    device = generator.device if generator is not None else "cpu"
+    whole = math.floor(batch_size * fraction)
+    extra = int(torch.rand((), generator=generator, device=device) < batch_size * fraction - whole)
+    return torch.randperm(batch_size, generator=generator, device=device)[: whole + extra].sort().values.cpu()
+
+
+def mix_on_policy(
+    batch: Batch,
+    draft: nn.Module,
+    target: Target,
+    fraction: float,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Batch:
+    """``batch`` with a ``fraction`` of its rows replaced by the draft's continuations of their prompts.
+
+    DistillSpec's mixture of fixed and draft-generated data: 0 keeps the fixed data, 1 is fully
+    on-policy. Replaced rows keep their place; the result is re-padded to its longest row. Rows must
+    be whole conversations, not packed sequences (the prompt is found from the first assistant token).
+    """
+    if getattr(batch, "position_ids", None) is not None:
+        raise ValueError("on-policy mixing needs unpacked rows (one conversation per row); turn packing off")
+    chosen = on_policy_rows(batch.input_ids.shape[0], fraction, generator).tolist()
+    if not chosen:
+        return batch
+    prefixes = prompt_prefixes(batch)
+    fresh = sample_on_policy(
+        draft, target, [prefixes[i] for i in chosen], max_new_tokens, temperature, generator
+    )
+    replaced = dict(zip(chosen, range(len(chosen))))
+    rows = []
+    for b in range(batch.input_ids.shape[0]):
+        source, r = (fresh, replaced[b]) if b in replaced else (batch, b)
+        real = source.attention_mask[r].bool()
+        rows.append({"input_ids": source.input_ids[r][real], "loss_mask": source.loss_mask[r][real]})
+    return collate(rows, _pad_id(target))

@@ -1,0 +1,219 @@
+"""EAGLE-1 and EAGLE-3 objectives: the head of ``drafts/eagle.py`` trained on the target's features.
+
+Alignment. The head at anchor t reads the target feature at t and the token at t+1 (step 0), or its own
+step-(j-1) output and the token at t+1+j (step j). Step j stands in for target position p = t+1+j: it is
+scored against the target's next-token distribution at p (``Teacher.topk_*`` at p) and, for EAGLE-1,
+regresses the target feature at p. It counts iff token t is real and the token it predicts, p+1, is a
+learnt token (``loss_mask``); each step's loss is a mean over its counted positions.
+
+Teacher. ``teacher_topk = 64``: the target's 64 largest logits per position, renormalised, are the soft
+target — almost all of the target's mass for a chat model, without a full-vocabulary product.
+EAGLE-3 keeps only the teacher ids inside the draft vocabulary and renormalises over them. A position
+whose target greedy token is outside the draft vocabulary can never be drafted right: it is left out
+of ``acc_j`` (logged as ``oov_frac``) but still trains on the in-vocabulary mass; a position with no
+in-vocabulary mass in the top-k is left out of the loss.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map, ttt_attention_mask
+from draftsmith.train.objective import Batch, Objective, Teacher
+
+__all__ = [
+    "Eagle1Objective",
+    "Eagle3Objective",
+    "EagleObjective",
+    "soft_topk_cross_entropy",
+    "step_valid_masks",
+    "ttt_attention_mask",
+]
+
+DEFAULT_TTT_STEPS = {"eagle1": 1, "eagle3": 3}
+"""EAGLE-3's paper unrolls 7 steps; 3 keeps CPU training fast and already covers most accepted chains."""
+
+
+def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, n:] padded with zeros at the end back to length T (dim 1)."""
+    pad = [0, 0] * (x.dim() - 2) + [0, n]
+    return F.pad(x[:, n:], pad)
+
+
+def step_valid_masks(batch: Batch, steps: int) -> torch.Tensor:
+    """[steps, B, T] bool: anchor t counts at step j iff token t is real and token t+2+j is learnt."""
+    real = batch.attention_mask.bool()
+    learnt = batch.loss_mask.bool() & real
+    return torch.stack([real & shift_left(learnt, 2 + j) for j in range(steps)])
+
+
+def soft_topk_cross_entropy(
+    draft_logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_draft_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of the draft against the teacher's top-k, renormalised over ids the draft can score.
+
+    draft_logits [N, Vd]; teacher_logits [N, K]; teacher_draft_ids [N, K] (draft ids, -1 = not in the
+    draft vocabulary). Returns per-position CE [N] and whether the position had any in-vocabulary mass [N].
+    """
+    in_vocab = teacher_draft_ids >= 0
+    p = teacher_logits.float().masked_fill(~in_vocab, float("-inf")).softmax(-1).nan_to_num(0.0)
+    log_q = draft_logits.float().log_softmax(-1).gather(-1, teacher_draft_ids.clamp_min(0))
+    return -(p * log_q).sum(-1), in_vocab.any(-1)
+
+
+def _unwrap(draft: nn.Module) -> EagleHead:
+    """The EagleHead inside a DDP / compiled wrapper."""
+    while not isinstance(draft, EagleHead):
+        inner = getattr(draft, "module", None)
+        inner = getattr(draft, "_orig_mod", None) if inner is None else inner
+        if not isinstance(inner, nn.Module):
+            raise TypeError(f"expected an EagleHead (possibly wrapped), got {type(draft).__name__}")
+        draft = inner
+    return draft
+
+
+def _greedy(teacher: Teacher) -> torch.Tensor:
+    """The target's greedy next token [B, T] from its top-k."""
+    best = teacher.topk_logits.argmax(-1, keepdim=True)
+    return teacher.topk_ids.gather(-1, best).squeeze(-1)
+
+
+def _mean(values: torch.Tensor) -> torch.Tensor:
+    return values.sum() / max(values.numel(), 1)
+
+
+class EagleObjective(Objective):
+    """EAGLE head + loss; ``preset`` is ``eagle1`` or ``eagle3`` (see the module docstring)."""
+
+    kind = "eagle"
+
+    def __init__(
+        self,
+        target,
+        preset: str = "eagle3",
+        num_layers: int = 1,
+        capture_layer_ids: list[int] | None = None,
+        draft_vocab_size: int = 32000,
+        ttt_steps: int | None = None,
+        step_decay: float = 0.8,
+        token_counts: torch.Tensor | None = None,
+        teacher_topk: int = 64,
+        feature_weight: float = 1.0,
+        token_weight: float = 0.1,
+    ):
+        """``feature_weight`` / ``token_weight`` weigh EAGLE-1's smooth-L1 and CE terms (EAGLE-1's 1.0 / 0.1)."""
+        if preset not in DEFAULT_TTT_STEPS:
+            raise ValueError(f"unknown EAGLE preset {preset!r}; choose one of {', '.join(DEFAULT_TTT_STEPS)}")
+        steps = DEFAULT_TTT_STEPS[preset] if ttt_steps is None else int(ttt_steps)
+        if steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
+        self.target = target
+        self.config = EagleConfig.for_target(
+            target, preset, num_layers, capture_layer_ids, draft_vocab_size, steps
+        )
+        self.capture_layers = tuple(self.config.capture_layer_ids)
+        self.teacher_topk = int(teacher_topk)
+        self.step_weights = [step_decay**j for j in range(steps)]
+        self.feature_weight, self.token_weight = feature_weight, token_weight
+        self.vocab_map = None
+        if preset == "eagle3" and self.config.draft_vocab_size < self.config.vocab_size:
+            if token_counts is None:
+                raise ValueError(
+                    f"EAGLE-3 with a draft vocabulary of {self.config.draft_vocab_size} < {self.config.vocab_size} "
+                    "needs token_counts (frequencies [V] of the learnt tokens of the training data); "
+                    "or set draft_vocab_size to the target's vocabulary size"
+                )
+            if token_counts.numel() != self.config.vocab_size:
+                raise ValueError(
+                    f"token_counts has {token_counts.numel()} entries, target vocabulary has {self.config.vocab_size}"
+                )
+            self.vocab_map = build_vocab_map(token_counts, self.config.draft_vocab_size)
+
+    @property
+    def preset(self) -> str:
+        return self.config.preset
+
+    def build_draft(self) -> EagleHead:
+        head = EagleHead(copy.deepcopy(self.config))
+        head.init_from_target(self.target.model)
+        if self.vocab_map is not None:
+            head.set_vocab_map(*self.vocab_map)
+        return head
+
+    def loss(self, draft: nn.Module, batch: Batch, teacher: Teacher) -> dict[str, torch.Tensor]:
+        head = _unwrap(draft)
+        steps = len(self.step_weights)
+        valid = step_valid_masks(batch, steps)
+        out = draft(batch.input_ids, teacher.features, batch.attention_mask, steps=steps, logit_masks=valid)
+        draft_index = head.t2d.long().cumsum(0) - 1  # target id -> draft id (d2t is ascending)
+        greedy = _greedy(teacher)
+        if self.preset == "eagle1":
+            feature = teacher.features[self.capture_layers[0]]
+        total = out.logits[0].new_zeros(())
+        logs: dict[str, torch.Tensor] = {}
+        for j, weight in enumerate(self.step_weights):
+            sel = valid[j]
+            t_ids = shift_left(teacher.topk_ids, 1 + j)[sel]
+            t_draft = torch.where(head.t2d[t_ids], draft_index[t_ids], -1)
+            ce, has_mass = soft_topk_cross_entropy(
+                out.logits[j], shift_left(teacher.topk_logits, 1 + j)[sel], t_draft
+            )
+            step_loss = _mean(ce[has_mass])
+            logs[f"ce_{j}"] = step_loss.detach()
+            if self.preset == "eagle1":
+                pred = out.hidden_states[j][sel].float()
+                real = shift_left(feature, 1 + j)[sel].float()
+                feat_loss = _mean(F.smooth_l1_loss(pred, real, reduction="none").mean(-1))
+                logs[f"feature_loss_{j}"] = feat_loss.detach()
+                step_loss = self.feature_weight * feat_loss + self.token_weight * step_loss
+            total = total + weight * step_loss
+            g = shift_left(greedy, 1 + j)[sel]
+            draftable = head.t2d[g]
+            hits = head.d2t[out.logits[j].argmax(-1)] == g
+            logs[f"acc_{j}"] = _mean(hits[draftable].float())
+            if j == 0:
+                logs["oov_frac"] = _mean((~draftable).float())
+                logs["tokens"] = sel.sum().float()
+        return {"loss": total, **logs}
+
+    @torch.no_grad()
+    def acceptance(self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
+        """Greedy chain acceptance simulated by a k-step TTT unroll at every counted anchor that has k
+        real tokens after it: accepted length = leading unroll steps whose argmax (as a target id) equals
+        the target's greedy token at that position. Teacher forcing feeds the data's tokens, which equals
+        chain drafting exactly where the data follows the target's greedy path (e.g. regenerated data)."""
+        head = _unwrap(draft)
+        real = batch.attention_mask.bool()
+        anchors = step_valid_masks(batch, 1)[0] & shift_left(real, k)
+        if k < 1:
+            return anchors.sum().view(1).cpu()
+        masks = anchors.expand(k, *anchors.shape)
+        out = draft(batch.input_ids, teacher.features, batch.attention_mask, steps=k, logit_masks=masks)
+        greedy = _greedy(teacher)
+        matches = torch.stack(
+            [
+                head.d2t[logits.argmax(-1)] == shift_left(greedy, 1 + j)[anchors]
+                for j, logits in enumerate(out.logits)
+            ],
+            dim=-1,
+        )  # [N, k]
+        accepted = matches.long().cumprod(-1).sum(-1)
+        return torch.bincount(accepted, minlength=k + 1).cpu()
+
+
+class Eagle1Objective(EagleObjective):
+    """EAGLE-1: last-layer feature regression (smooth-L1) + soft CE over the full vocabulary."""
+
+    def __init__(self, target, **options):
+        super().__init__(target, preset="eagle1", **options)
+
+
+class Eagle3Objective(EagleObjective):
+    """EAGLE-3: fused low/mid/high features, reduced draft vocabulary, TTT unroll with decaying weights."""
+
+    def __init__(self, target, **options):
+        super().__init__(target, preset="eagle3", **options)

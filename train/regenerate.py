@@ -1,0 +1,254 @@
+"""Self-distillation data: the target writes the assistant replies to the training prompts.
+
+A draft learns to predict what the target says, so training on the target's own replies (instead of
+whatever model wrote the dataset) raises acceptance. For each conversation the system and user turns are
+kept and every assistant turn is replaced by the target's reply to the conversation so far — earlier
+replies included, so later user turns may no longer quite follow; a conversation that ends with a user
+turn gets a reply too. Plain batched ``model.generate`` with left padding; nothing speculative.
+
+The output is JSONL in the ``messages`` shape with a ``source_id`` ("file name:record index"). Records
+are appended and flushed one by one, so a rerun skips what is there and a killed run loses at most the
+batch in flight; a partial last line left by a kill is cut off on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith.decode.target import eos_token_ids
+from draftsmith.train.data import Message, chat_text, check_chat_template, iter_conversations
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RegenerateStats:
+    """What one run did."""
+
+    written: int = 0
+    already_done: int = 0
+    replies: int = 0
+    truncated_replies: int = 0
+    """replies that hit max_new_tokens before an end-of-turn token"""
+    cut_conversations: int = 0
+    """conversations stopped early because the prompt outgrew max_prompt_tokens"""
+
+
+class _Dialogue:
+    """One conversation being rewritten: walks the source turns, asks for a reply where one is due."""
+
+    def __init__(self, source_id: str, source: list[Message]):
+        self.source_id = source_id
+        self.source = source
+        self.pos = 0
+        self.out: list[Message] = []
+        self.done = False
+        self.truncated = 0
+        self.cut = False
+
+    def next_prompt(self) -> list[Message] | None:
+        """Copy system/user turns up to the next reply that is due; the messages to answer, or None."""
+        if self.done:
+            return None
+        while self.pos < len(self.source):
+            message = self.source[self.pos]
+            self.pos += 1
+            if message["role"] != "assistant":
+                self.out.append(dict(message))
+            elif self.out and self.out[-1]["role"] != "assistant":
+                return self.out  # further assistant turns in a row are replaced by this one reply
+        self.done = True
+        return self.out if self.out and self.out[-1]["role"] == "user" else None
+
+    def answer(self, reply: str, finished: bool) -> None:
+        self.out.append({"role": "assistant", "content": reply})
+        self.truncated += not finished
+
+    def stop(self) -> None:
+        """The prompt is too long: keep the conversation up to its last reply and end it."""
+        last = max((i for i, m in enumerate(self.out) if m["role"] == "assistant"), default=None)
+        if last is not None:
+            del self.out[last + 1 :]
+        self.done = self.cut = True
+
+    def record(self) -> dict:
+        rec: dict = {"source_id": self.source_id, "messages": self.out}
+        if self.truncated:
+            rec["truncated_replies"] = self.truncated
+        if self.cut:
+            rec["prompt_too_long"] = True
+        return rec
+
+
+def read_done(out: str | Path) -> set[str]:
+    """The source_ids already in ``out``; a partial last line (from a killed run) is cut off the file."""
+    out = Path(out)
+    if not out.exists():
+        return set()
+    data = out.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        logger.warning(
+            "%s: dropping a partial last line (%d bytes) left by an interrupted run", out, len(data) - keep
+        )
+        with out.open("r+b") as f:
+            f.truncate(keep)
+    done: set[str] = set()
+    for lineno, line in enumerate(data[:keep].decode("utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{out}: line {lineno} is not valid JSON ({err.msg}); it was not written by regenerate or is "
+                "damaged — fix or delete that line, or write to a new --out file"
+            ) from err
+        if not isinstance(record, dict) or "source_id" not in record:
+            raise ValueError(f"{out}: line {lineno} has no source_id; write to a new --out file")
+        done.add(record["source_id"])
+    return done
+
+
+def source_conversations(
+    paths: Sequence[str | Path], limit: int | None = None
+) -> list[tuple[str, list[Message]]]:
+    """(source_id, messages) for the first ``limit`` conversations of the files, in order."""
+    names: dict[str, Path] = {}
+    for path in map(Path, paths):
+        if path.name in names and names[path.name] != path:
+            raise ValueError(
+                f"{names[path.name]} and {path} share the file name {path.name!r}, which source ids are "
+                "built from; rename one of them"
+            )
+        names[path.name] = path
+    found: list[tuple[str, list[Message]]] = []
+    for path in names.values():
+        for index, messages in iter_conversations(path):
+            if limit is not None and len(found) >= limit:
+                return found
+            if messages:
+                found.append((f"{path.name}:{index}", messages))
+    return found
+
+
+def regenerate(
+    model,
+    tokenizer,
+    paths: Sequence[str | Path],
+    out: str | Path,
+    max_new_tokens: int = 512,
+    batch_size: int = 8,
+    temperature: float = 0.0,
+    limit: int | None = None,
+    max_prompt_tokens: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> RegenerateStats:
+    """Rewrite the assistant turns of the conversations in ``paths`` with ``model``; append to ``out``.
+
+    ``max_prompt_tokens`` (default: the model's context length minus max_new_tokens) stops a conversation
+    whose prompt grows past it, keeping the turns already answered. temperature 0 is greedy decoding.
+    """
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(
+            f"batch_size ({batch_size}) and max_new_tokens ({max_new_tokens}) must be at least 1"
+        )
+    check_chat_template(tokenizer)
+    eos = sorted(eos_token_ids(model, tokenizer))
+    if not eos:
+        raise ValueError("the target defines no end-of-sequence token, so replies would never stop")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    if max_prompt_tokens is None:
+        context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        max_prompt_tokens = context - max_new_tokens if context else None
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's context"
+        )
+    torch.manual_seed(seed)
+
+    out = Path(out)
+    done = read_done(out)
+    sources = source_conversations(paths, limit)
+    todo = [(sid, msgs) for sid, msgs in sources if sid not in done]
+    # long conversations together: less padding per batch, and out-of-memory shows up at once, not at the end
+    todo.sort(key=lambda item: -sum(len(m["content"]) for m in item[1]))
+    stats = RegenerateStats(already_done=len(sources) - len(todo))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        out.open("a", encoding="utf-8") as f,
+        tqdm(
+            total=len(sources),
+            initial=stats.already_done,
+            desc="regenerate",
+            unit="conv",
+            disable=not progress,
+        ) as bar,
+    ):
+        for start in range(0, len(todo), batch_size):
+            group = [_Dialogue(sid, msgs) for sid, msgs in todo[start : start + batch_size]]
+            while group:
+                asking, prompts = [], []
+                for dialogue in group:
+                    messages = dialogue.next_prompt()
+                    if messages is None:
+                        continue
+                    ids = tokenizer(
+                        chat_text(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False
+                    )["input_ids"]
+                    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                        dialogue.stop()
+                        stats.cut_conversations += 1
+                        continue
+                    asking.append(dialogue)
+                    prompts.append(ids)
+                if prompts:
+                    replies = generate_replies(model, prompts, pad_id, eos, max_new_tokens, temperature)
+                    for dialogue, (reply_ids, finished) in zip(asking, replies):
+                        dialogue.answer(tokenizer.decode(reply_ids, skip_special_tokens=True), finished)
+                        stats.replies += 1
+                        stats.truncated_replies += not finished
+                for dialogue in [d for d in group if d.done]:
+                    f.write(json.dumps(dialogue.record(), ensure_ascii=False) + "\n")
+                    f.flush()
+                    stats.written += 1
+                    bar.update(1)
+                group = [d for d in group if not d.done]
+    return stats
+
+
+@torch.inference_mode()
+def generate_replies(
+    model, prompts: list[list[int]], pad_id: int, eos: list[int], max_new_tokens: int, temperature: float
+) -> list[tuple[list[int], bool]]:
+    """Generate one reply per prompt in one left-padded batch: (reply token ids, ended with an eos token)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for b, prompt in enumerate(prompts):
+        input_ids[b, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
+        attention_mask[b, width - len(prompt) :] = 1
+    device = next(model.parameters()).device
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    sequences = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        max_new_tokens=max_new_tokens,
+        pad_token_id=pad_id,
+        eos_token_id=eos,
+        **sampling,
+    )
+    replies = []
+    stop = set(eos)
+    for row in sequences[:, width:].tolist():
+        end = next((i for i, t in enumerate(row) if t in stop), None)
+        replies.append((row if end is None else row[:end], end is not None))
+    return replies
