@@ -276,17 +276,31 @@ class EagleHead(PreTrainedModel):
 
     @torch.no_grad()
     def init_from_target(self, model: nn.Module) -> None:
-        """Copy the target's token embeddings (and, for EAGLE-1, its final norm and LM head) into the head."""
+        """Start from the target's own output side: copy its token embeddings, final norm and LM head.
+
+        EAGLE-1 reuses them frozen. EAGLE-3 starts its own norm and LM head from the target's (the LM
+        head's rows at ``d2t``, so install the vocab map first): the head then begins as "whatever
+        hidden state it produces is read out like the target's", which trains much faster than a
+        random readout. A target whose final norm cannot be reproduced keeps EAGLE-3's fresh norm.
+        """
         self.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
-        if self.config.preset != "eagle1":
-            return
-        if not self.config.lm_head_is_embedding:
-            self.lm_head.weight.copy_(model.get_output_embeddings().weight)
+        copied_norm = self._copy_final_norm(model)
+        if self.config.preset == "eagle1":
+            if not copied_norm:
+                raise ValueError(
+                    f"EAGLE-1 reuses the target's final norm, but {type(model).__name__}'s is not an RMSNorm "
+                    "this head can reproduce; use preset eagle3, which has its own norm and LM head"
+                )
+            if not self.config.lm_head_is_embedding:
+                self.lm_head.weight.copy_(model.get_output_embeddings().weight)
+        elif copied_norm:
+            self.lm_head.weight.copy_(model.get_output_embeddings().weight[self.d2t])
+
+    def _copy_final_norm(self, model: nn.Module) -> bool:
+        """Copy the target's final RMSNorm into ``self.norm`` if this head's norm can reproduce it."""
         final_norm = getattr(model.get_decoder(), "norm", None)
         if final_norm is None or getattr(final_norm, "weight", None) is None:
-            raise ValueError(
-                f"cannot find the final norm of {type(model).__name__}; use preset eagle3 for this target"
-            )
+            return False
         probe = torch.randn(4, self.config.hidden_size, device=final_norm.weight.device)
         expected = final_norm(probe.to(final_norm.weight.dtype)).float()
         tol = 1e-4 if final_norm.weight.dtype == torch.float32 else 2e-2
@@ -296,11 +310,8 @@ class EagleHead(PreTrainedModel):
             reference.weight.copy_(weight)
             if torch.allclose(reference(probe), expected, rtol=tol, atol=tol):
                 self.norm.weight.copy_(weight)
-                return
-        raise ValueError(
-            f"EAGLE-1 reuses the target's final norm, but {type(final_norm).__name__} is not an RMSNorm this head "
-            "can reproduce; use preset eagle3, which has its own norm and LM head"
-        )
+                return True
+        return False
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft→target id map from ``build_vocab_map`` (EAGLE-3)."""

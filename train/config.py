@@ -388,12 +388,13 @@ ObjectiveFactory = Callable[["Target", dict[str, Any], "torch.Tensor | None"], "
 """``(target, draft.options, token_counts or None) -> Objective``."""
 
 _OBJECTIVES: dict[str, ObjectiveFactory] = {}
-# modules that register their kinds with @register_objective when imported (imported on first use,
-# so reading a config never imports torch)
-_PROVIDERS: dict[str, str] = {"distill": "draftsmith.train.objectives.distill"}
-# kinds listed as "module:Class" in draftsmith.train.objectives.OBJECTIVES are built as
-# Class(target, token_counts=..., **options)
-_CLASS_KINDS = ("eagle1", "eagle3")
+# the module that registers each kind with @register_objective, imported on first use so that
+# reading a config never imports torch
+_PROVIDERS: dict[str, str] = {
+    "distill": "draftsmith.train.objectives.distill",
+    "eagle1": "draftsmith.train.objectives.eagle",
+    "eagle3": "draftsmith.train.objectives.eagle",
+}
 
 
 def register_objective(kind: str) -> Callable[[ObjectiveFactory], ObjectiveFactory]:
@@ -406,34 +407,25 @@ def register_objective(kind: str) -> Callable[[ObjectiveFactory], ObjectiveFacto
     return wrap
 
 
-def _class_kinds() -> dict[str, str]:
-    try:
-        from draftsmith.train.objectives import OBJECTIVES
-    except ImportError:
-        return {}
-    return dict(OBJECTIVES)
-
-
 def objective_kinds() -> list[str]:
-    return sorted(set(_OBJECTIVES) | set(_PROVIDERS) | set(_CLASS_KINDS))
+    return sorted(set(_OBJECTIVES) | set(_PROVIDERS))
 
 
 def build_objective(kind: str, target: Target, options: dict[str, Any], token_counts=None) -> Objective:
     """Build the objective for a draft kind (importing the module that provides it on first use)."""
     if kind not in _OBJECTIVES and kind in _PROVIDERS:
         importlib.import_module(_PROVIDERS[kind])
-    if kind in _OBJECTIVES:
-        return _OBJECTIVES[kind](target, dict(options), token_counts)
-    classes = _class_kinds()
-    if kind not in classes:
+    if kind not in _OBJECTIVES:
         raise _unknown_key(kind, objective_kinds(), "draft.kind (no such draft kind)")
-    module, _, name = classes[kind].partition(":")
-    cls = getattr(importlib.import_module(module), name)
+    return _OBJECTIVES[kind](target, dict(options), token_counts)
+
+
+def check_options(cls: type, kind: str, options: dict[str, Any]) -> None:
+    """Refuse ``draft.options`` keys that ``cls``'s constructor does not take, naming the valid ones."""
     accepted = _constructor_options(cls)
     for key in options:
         if accepted is not None and key not in accepted:
             raise _unknown_key(f"draft.options.{key}", sorted(accepted), f"draft.options of kind {kind!r}")
-    return cls(target, token_counts=token_counts, **options)
 
 
 def _constructor_options(cls: type) -> set[str] | None:

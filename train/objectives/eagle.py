@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map, ttt_attention_mask
+from draftsmith.train.config import check_options, register_objective
 from draftsmith.train.objective import Batch, Objective, Teacher
 
 __all__ = [
@@ -139,9 +140,9 @@ class EagleObjective(Objective):
 
     def build_draft(self) -> EagleHead:
         head = EagleHead(copy.deepcopy(self.config))
-        head.init_from_target(self.target.model)
         if self.vocab_map is not None:
             head.set_vocab_map(*self.vocab_map)
+        head.init_from_target(self.target.model)
         return head
 
     def loss(self, draft: nn.Module, batch: Batch, teacher: Teacher) -> dict[str, torch.Tensor]:
@@ -217,3 +218,15 @@ class Eagle3Objective(EagleObjective):
 
     def __init__(self, target, **options):
         super().__init__(target, preset="eagle3", **options)
+
+
+@register_objective("eagle1")
+def _build_eagle1(target, options: dict, token_counts=None) -> Eagle1Objective:
+    check_options(Eagle1Objective, "eagle1", options)
+    return Eagle1Objective(target, token_counts=token_counts, **options)
+
+
+@register_objective("eagle3")
+def _build_eagle3(target, options: dict, token_counts=None) -> Eagle3Objective:
+    check_options(Eagle3Objective, "eagle3", options)
+    return Eagle3Objective(target, token_counts=token_counts, **options)
