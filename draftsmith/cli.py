@@ -18,6 +18,10 @@ SUBCOMMANDS = {
         "draftsmith.train.data_cli",
         "prepare training data (e.g. regenerate responses with the target)",
     ),
+    "quickstart": (
+        "draftsmith.quickstart",
+        "train an EAGLE-3 head on the bundled target and evaluate it (~10 min on a CPU)",
+    ),
 }
 
 

@@ -1,0 +1,27 @@
+"""The quickstart's own pieces (the whole run is the README's main command, minutes long)."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftsmith.cli import main
+from draftsmith.quickstart import TRAIN_FILES, first_user_turns
+
+
+def test_prompts_come_from_each_training_file_in_turn(shared_data):
+    rows = first_user_turns(shared_data, 7)
+    assert [r["id"].split(":")[0] for r in rows] == [*TRAIN_FILES, *TRAIN_FILES, TRAIN_FILES[0]]
+    assert all(len(r["messages"]) == 1 and r["messages"][0]["role"] == "user" for r in rows)
+
+
+def test_help_explains_the_steps(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["quickstart", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "EAGLE-3" in out and "--regenerate N" in out and "--eval-prompts" in out
+
+
+def test_missing_data_folder_is_a_clear_error(tmp_path, capsys):
+    assert main(["quickstart", "--data", str(tmp_path), "--out", str(tmp_path / "run")]) == 2
+    assert "pass --data" in capsys.readouterr().err
