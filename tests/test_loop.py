@@ -254,3 +254,24 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         replace_dir_atomic(draft, fails)
     assert (draft / "a.txt").read_text() == "v1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "draft"]  # no temp dirs left
+
+
+def test_distill_objective_trains_in_the_loop(tiny_target_dir, conversations, tmp_path):
+    """A layer-subset draft distilled through the same loop; the export is a plain causal-LM draft."""
+    from draftsmith.decode.speculative import generate
+    from draftsmith.decode.target import load_target
+    from draftsmith.drafts import build_drafter
+
+    out = tmp_path / "distill"
+    config = make_config(
+        tiny_target_dir, conversations, out, "--draft.kind=distill", "--trainer.max_steps=3",
+        "--trainer.val_k=2", "--draft.options={init: target_layers, num_layers: 2, loss: jsd}",
+    )  # fmt: skip
+    result = train(config, **QUIET)
+    assert result.steps == 3 and 1.0 <= result.val["tau"] <= 3.0
+    target = load_target(str(tiny_target_dir))
+    target.eos_ids = set()
+    prompt = torch.arange(10, 30)
+    baseline = generate(target, prompt, None, max_new_tokens=12)
+    drafted = generate(target, prompt, build_drafter(str(result.draft_dir), target), k=3, max_new_tokens=12)
+    assert drafted.tokens == baseline.tokens
