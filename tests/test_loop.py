@@ -275,3 +275,29 @@ def test_distill_objective_trains_in_the_loop(tiny_target_dir, conversations, tm
     baseline = generate(target, prompt, None, max_new_tokens=12)
     drafted = generate(target, prompt, build_drafter(str(result.draft_dir), target), k=3, max_new_tokens=12)
     assert drafted.tokens == baseline.tokens
+
+
+def test_on_policy_distillation_in_the_loop(tiny_target_dir, conversations, tmp_path, monkeypatch):
+    """DistillSpec's on-policy mode: every batch is the draft's own samples, scored by the target online."""
+    from draftsmith.train.objectives import distill
+
+    fractions = []
+    real_mix = distill.mix_on_policy
+
+    def spy(*args, **kwargs):
+        fractions.append(args[3])
+        return real_mix(*args, **kwargs)
+
+    monkeypatch.setattr(distill, "mix_on_policy", spy)
+    options = "--draft.options={init: target_layers, num_layers: 2, on_policy_fraction: 1.0, on_policy_max_new_tokens: 6}"
+    config = make_config(
+        tiny_target_dir, conversations, tmp_path / "op", "--draft.kind=distill", "--trainer.max_steps=2",
+        "--trainer.val_k=2", options,
+    )  # fmt: skip
+    result = train(config, **QUIET)
+    assert result.steps == 2 and fractions == [1.0, 1.0]
+    offline = make_config(
+        tiny_target_dir, conversations, tmp_path / "off", "--draft.kind=distill", "--mode=offline", options
+    )
+    with pytest.raises(ValueError, match="use mode: online"):
+        train(offline, **QUIET)

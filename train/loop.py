@@ -114,6 +114,8 @@ class DraftModule(L.LightningModule):
     # ---- steps
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        if isinstance(batch, Batch):  # online: the objective may swap in on-policy rows first
+            batch = _to_device(self.objective.prepare_batch(self.draft, batch), self.device)
         batch, teacher = self._with_teacher(batch)
         out = self.objective.loss(self.draft, batch, teacher)
         size = int(batch.input_ids.shape[0])
@@ -318,6 +320,11 @@ def train(
 
     objective = build_objective(config.draft.kind, target, config.draft.options, token_counts)
     cache_dirs = None
+    if config.mode == "offline" and objective.on_policy:
+        raise ValueError(
+            f"draft kind {config.draft.kind!r} is set to sample on-policy data, which the target must score "
+            "as it is made: use mode: online (or set draft.options.on_policy_fraction: 0)"
+        )
     if config.mode == "offline":
         root = Path(config.cache.dir) if config.cache.dir else output_dir / "feature_cache"
         cache_dirs = (root / "train", root / "heldout")

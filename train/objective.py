@@ -66,6 +66,13 @@ class Objective(ABC):
         would have proposed and had accepted at each chain depth, as a histogram of accepted lengths
         (entry j = number of positions where exactly j drafted tokens match the target's greedy tokens)."""
 
+    on_policy: bool = False
+    """True when ``prepare_batch`` needs the draft to generate (then the target must run online)."""
+
+    def prepare_batch(self, draft: nn.Module, batch: Batch) -> Batch:
+        """Change a training batch before the teacher sees it (e.g. on-policy samples); default: as is."""
+        return batch
+
     def save(self, draft: nn.Module, directory: Path) -> None:
         """Write a checkpoint ``draftsmith eval --draft DIR`` can load (default: save_pretrained)."""
         draft.save_pretrained(directory)

@@ -56,7 +56,12 @@ DEFAULTS: dict[str, Any] = {
     "merge_lora": True,
     "dtype": "float32",
     "seed": 0,
+    "on_policy_fraction": 0.0,
+    "on_policy_max_new_tokens": 64,
+    "on_policy_temperature": 1.0,
 }
+"""``on_policy_fraction``: the share of each training batch replaced by the draft's own continuations
+of the batch's prompts, scored by the target (DistillSpec's on-policy data; 0 = fixed data only)."""
 
 
 def next_token_mask(batch: Batch) -> torch.Tensor:
@@ -120,6 +125,29 @@ class DistillObjective(Objective):
         self.options = opts
         self.teacher_topk = target.vocab_size if topk == 0 else min(topk, target.vocab_size)
         self.merge_lora = bool(opts["merge_lora"])
+        if not 0.0 <= float(opts["on_policy_fraction"]) <= 1.0:
+            raise ValueError(
+                f"distill option on_policy_fraction={opts['on_policy_fraction']} must be in [0, 1]"
+            )
+        self.generator = torch.Generator().manual_seed(int(opts["seed"]))
+
+    @property
+    def on_policy(self) -> bool:
+        return float(self.options["on_policy_fraction"]) > 0
+
+    def prepare_batch(self, draft: nn.Module, batch: Batch) -> Batch:
+        """Replace ``on_policy_fraction`` of the rows by the draft's continuations (before the teacher runs)."""
+        if not self.on_policy:
+            return batch
+        was_training = draft.training
+        draft.eval()
+        mixed = mix_on_policy(
+            batch, draft, self.target, float(self.options["on_policy_fraction"]),
+            int(self.options["on_policy_max_new_tokens"]), float(self.options["on_policy_temperature"]),
+            self.generator,
+        )  # fmt: skip
+        draft.train(was_training)
+        return mixed
 
     def build_draft(self) -> nn.Module:
         o, target = self.options, self.target
