@@ -129,7 +129,7 @@ class DistillObjective(Objective):
             raise ValueError(
                 f"distill option on_policy_fraction={opts['on_policy_fraction']} must be in [0, 1]"
             )
-        self.generator = torch.Generator().manual_seed(int(opts["seed"]))
+        self.generator: torch.Generator | None = None  # made on the draft's device at first use
 
     @property
     def on_policy(self) -> bool:
@@ -139,6 +139,9 @@ class DistillObjective(Objective):
         """Replace ``on_policy_fraction`` of the rows by the draft's continuations (before the teacher runs)."""
         if not self.on_policy:
             return batch
+        device = next(draft.parameters()).device
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device).manual_seed(int(self.options["seed"]))
         was_training = draft.training
         draft.eval()
         mixed = mix_on_policy(
