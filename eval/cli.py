@@ -9,8 +9,9 @@ from draftsmith.eval.report import METRICS
 
 DESCRIPTION = """\
 Run the target alone and each draft on the same prompts, in the same process, after an untimed
-warm-up; print a table (draft x category: τ, α, tok/s, speedup, exact) and write DIR/report.json
-and DIR/report.md (other files in DIR are left alone).
+warm-up; print a table (draft x category: τ, α, tok/s, speedup, exact) and write DIR/report.json,
+DIR/report.md and DIR/acceptance.png (per-position acceptance, τ by category); other files in DIR
+are left alone.
 
 Prompts (--prompts): JSONL, one object a line, either Spec-Bench / MT-bench records
 {"question_id", "category", "turns": [user message, ...]} (a later turn continues the conversation

@@ -191,6 +191,8 @@ def format_markdown(report: dict) -> str:
         for d in report["drafts"]:
             cells = [_f(x, ".2f") for x in d["per_position"]] + ["—"] * (k - len(d["per_position"]))
             out.append(f"| {d['name']} | " + " | ".join(cells) + " |")
+    if report["drafts"]:
+        out += ["", "![per-position acceptance and τ by category](acceptance.png)"]
     out += ["", "```", METRICS, "```", ""]
     return "\n".join(out)
 
@@ -208,7 +210,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def write_report(report: dict, out_dir: str | Path) -> list[Path]:
-    """Write out_dir/report.json and out_dir/report.md (other files in out_dir are left alone)."""
+    """Write out_dir/report.json, report.md and the acceptance plot (other files in out_dir are left alone)."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(
@@ -218,4 +220,8 @@ def write_report(report: dict, out_dir: str | Path) -> list[Path]:
     json_path, md_path = out / "report.json", out / "report.md"
     _write_atomic(json_path, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     _write_atomic(md_path, format_markdown(report))
-    return [json_path, md_path]
+    if not report["drafts"]:
+        return [json_path, md_path]
+    from draftsmith.eval.plots import PLOT_NAME, plot_report
+
+    return [json_path, md_path, plot_report(report, out / PLOT_NAME)]

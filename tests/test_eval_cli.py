@@ -68,6 +68,8 @@ def test_eval_end_to_end(model_dir, prompts_file, tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert (out / "keep.txt").read_text() == "not ours"
     assert "| draft | category |" in (out / "report.md").read_text()
+    png = (out / "acceptance.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and "acceptance.png" in (out / "report.md").read_text()
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
     assert report["target"] == str(model_dir)
     settings = report["settings"]
