@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from draftsmith.decode.target import load_causal_lm, tokenizer_fingerprint
 from draftsmith.drafts.base import Drafter, register
 from draftsmith.drafts.model_drafter import ModelDrafter
@@ -26,8 +28,27 @@ def check_same_vocabulary(target, draft_model, draft_tokenizer, draft_name: str)
         )
 
 
+def warn_if_distilled_for_another_target(target, draft_config, draft_name: str) -> None:
+    """A distilled draft records its target; on another one it stays lossless but was not tuned for it."""
+    saved = getattr(draft_config, "draftsmith_target", None)
+    if not saved:
+        return
+    current = target.record()
+    differs = [
+        f for f in ("model_type", "hidden_size", "num_hidden_layers") if saved.get(f) != current.get(f)
+    ]
+    if differs:
+        warnings.warn(
+            f"draft {draft_name!r} was distilled for target {saved.get('name')!r}, not {current.get('name')!r} "
+            f"({', '.join(f'{f} {saved.get(f)} vs {current.get(f)}' for f in differs)}): decoding stays lossless, "
+            "but expect lower acceptance than with a draft distilled for this target",
+            stacklevel=2,
+        )
+
+
 @register("causal_lm")
 def _build(target, spec: str) -> Drafter:
     model, tokenizer, name = load_causal_lm(spec, device=target.device, dtype=target.dtype)
     check_same_vocabulary(target, model, tokenizer, name)
+    warn_if_distilled_for_another_target(target, model.config, name)
     return ModelDrafter(model, name=name)

@@ -139,3 +139,19 @@ def test_from_pretrained_draft_checks_the_vocabulary(tmp_path):
     tiny_tokenizer().save_pretrained(tmp_path / "other")
     with pytest.raises(ValueError, match="vocabulary"):
         small_lm.from_pretrained_draft(str(tmp_path / "other"), target)
+
+
+def test_draft_distilled_for_another_target_warns(tmp_path):
+    target = tiny_target("llama")
+    other = tiny_target("llama", layers=6)  # same tokenizer and vocabulary, another model
+    out = small_lm.save_draft(small_lm.from_target_layers(other, [0]), other.tokenizer, other, tmp_path / "d")
+    with pytest.warns(UserWarning, match="distilled for target .*num_hidden_layers 6 vs 4"):
+        build_drafter(str(out), target)
+    mine = small_lm.save_draft(
+        small_lm.from_target_layers(target, [0]), target.tokenizer, target, tmp_path / "m"
+    )
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_drafter(str(mine), target)
