@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -26,21 +25,8 @@ from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
 from draftsmith.drafts.layer_subset import layer_subset_view
-
-
-def load_prompts(path: str, limit: int, tokenizer) -> list[torch.Tensor]:
-    prompts = []
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line)
-            text = record["turns"][0] if "turns" in record else record["prompt"]
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
-            )["input_ids"]
-            prompts.append(torch.tensor(ids))
-            if len(prompts) == limit:
-                break
-    return prompts
+from draftsmith.eval.prompts import load_prompts, render
+from draftsmith.eval.report import hardware_description
 
 
 def hf_runner(target, **kwargs):
@@ -85,7 +71,11 @@ def main() -> None:
     args = parser.parse_args()
 
     target = load_target(args.target, device="auto", dtype="float32")
-    prompts = load_prompts(args.prompts, args.limit + 1, target.tokenizer)
+    # first turns only: transformers' generate has no notion of a second turn built on its own answer
+    prompts = [
+        render(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
+        for p in load_prompts(args.prompts, args.limit + 1)
+    ]
     warmup, prompts = prompts[0], prompts[1:]
     assistant = layer_subset_view(target.model, args.layers)
     assistant.generation_config = type(target.model.generation_config).from_dict(
@@ -132,8 +122,7 @@ def main() -> None:
     result = {
         "target": target.name,
         "settings": vars(args) | {"num_prompts": len(prompts), "greedy": True, "dtype": "float32"},
-        "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads, "
-        f"torch {torch.__version__}, device {target.device}",
+        "hardware": hardware_description(target.device, target.dtype),
         "date": time.strftime("%Y-%m-%d"),
         "methods": rows,
     }

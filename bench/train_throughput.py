@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import lightning as L
-import torch
 
 from draftsmith.decode.target import load_target
+from draftsmith.eval.report import hardware_description
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
 from draftsmith.train.objective import Batch
@@ -96,8 +95,7 @@ def main() -> None:
     result = {
         "target": target.name,
         "settings": vars(args),
-        "hardware": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-        f"device {target.device}, {str(target.dtype).removeprefix('torch.')}",
+        "hardware": hardware_description(target.device, target.dtype),
         "date": time.strftime("%Y-%m-%d"),
         "runs": rows,
     }

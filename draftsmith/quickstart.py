@@ -69,6 +69,17 @@ def first_user_turns(data: Path, count: int) -> list[dict]:
     return chosen[:count]
 
 
+def training_finished(run_dir: Path, recipe: Path, overrides: list[str]) -> bool:
+    """True when the exported draft already holds the recipe's last step (a rerun skips training)."""
+    from draftsmith.train.config import load_config
+
+    state = run_dir / "draft" / "train_state.json"
+    if not state.exists():
+        return False
+    max_steps = load_config(recipe, [o for o in overrides if o.startswith("--trainer.")]).trainer.max_steps
+    return json.loads(state.read_text()).get("step", -1) >= max_steps
+
+
 def run(args: argparse.Namespace) -> int:
     from draftsmith.cli import main
 
@@ -101,11 +112,12 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         data_override.append(f"--data.regenerated={regenerated}")
     run_dir = out / "eagle3"
-    resume = ["--resume"] if (run_dir / "checkpoints" / "last.ckpt").exists() else []
-    if not (run_dir / "draft" / "config.json").exists() or resume:
+    recipe = ROOT / "configs" / "quickstart.yaml"
+    if not training_finished(run_dir, recipe, args.overrides):
+        resume = ["--resume"] if (run_dir / "checkpoints" / "last.ckpt").exists() else []
         step(
             "1/2 train an EAGLE-3 head (configs/quickstart.yaml)",
-            ["train", str(ROOT / "configs" / "quickstart.yaml"), *data_override, f"--output.dir={run_dir}",
+            ["train", str(recipe), *data_override, f"--output.dir={run_dir}",
              f"--target.device={args.device}", *resume, *args.overrides],
         )  # fmt: skip
     step(

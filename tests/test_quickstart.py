@@ -25,3 +25,19 @@ def test_help_explains_the_steps(capsys):
 def test_missing_data_folder_is_a_clear_error(tmp_path, capsys):
     assert main(["quickstart", "--data", str(tmp_path), "--out", str(tmp_path / "run")]) == 2
     assert "pass --data" in capsys.readouterr().err
+
+
+def test_a_finished_training_is_not_repeated(tmp_path):
+    import json
+
+    from draftsmith.quickstart import ROOT, training_finished
+
+    recipe = ROOT / "configs" / "quickstart.yaml"
+    assert not training_finished(tmp_path, recipe, [])  # nothing trained yet
+    (tmp_path / "draft").mkdir()
+    state = tmp_path / "draft" / "train_state.json"
+    state.write_text(json.dumps({"step": 30}))  # exported at a mid-run validation: resume it
+    assert not training_finished(tmp_path, recipe, [])
+    state.write_text(json.dumps({"step": 60}))
+    assert training_finished(tmp_path, recipe, [])
+    assert not training_finished(tmp_path, recipe, ["--trainer.max_steps=100"])
