@@ -204,6 +204,13 @@ def ttt_attention_mask(seq_len: int, step: int, device: torch.device | None = No
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
+def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] conversation index within each packed row: a new one starts wherever the position does
+    not follow on by one (the same rule transformers applies to packed ``position_ids``)."""
+    start = torch.ones_like(position_ids[:, :1], dtype=torch.bool)
+    return torch.cat([start, position_ids[:, 1:] != position_ids[:, :-1] + 1], dim=1).long().cumsum(-1)
+
+
 class WideInputLayer(nn.Module):
     """EAGLE-3's first layer: a stock Llama decoder layer whose q/k/v read [norm_e(emb), norm_f(feature)] (2H)."""
 
@@ -374,11 +381,14 @@ class EagleHead(PreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         steps: int = 1,
         logit_masks: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> EagleOutput:
         """Unroll ``steps`` TTT steps over a batch (anchor t: feature_t with token_{t+1+j} at step j).
 
         input_ids [B,T]; features {layer_id: [B,T,H]}; attention_mask [B,T] (1 = real token);
-        logit_masks [steps,B,T] bool: compute logits only there (saves the LM head on masked positions).
+        logit_masks [steps,B,T] bool: compute logits only there (saves the LM head on masked positions);
+        position_ids [B,T]: packed rows (positions restart at each conversation) — a query then sees
+        only step-0 keys of its own conversation (block-diagonal), as if each were its own row.
         """
         B, T = input_ids.shape
         device = input_ids.device
@@ -387,7 +397,13 @@ class EagleHead(PreTrainedModel):
             if attention_mask is None
             else attention_mask.bool()
         )
-        positions = (real.long().cumsum(-1) - 1).clamp_min(0)
+        if position_ids is None:
+            positions = (real.long().cumsum(-1) - 1).clamp_min(0)
+            same_row = None
+        else:
+            positions = position_ids.to(device)
+            segments = packed_segments(positions)
+            same_row = segments[:, :, None] == segments[:, None, :]  # [B, T, T]
         eye = torch.eye(T, dtype=torch.bool, device=device)
         cache = DynamicCache()
         hidden, all_hidden, all_logits = self.fuse(features), [], []
@@ -395,6 +411,8 @@ class EagleHead(PreTrainedModel):
             ids = F.pad(input_ids[:, 1 + j :], (0, 1 + j))  # token_{t+1+j}, zero past the end (never counted)
             keys_ok = torch.cat([real] + [torch.ones_like(real)] * j, dim=1)  # padded step-0 keys are hidden
             mask = ttt_attention_mask(T, j, device)[None] & keys_ok[:, None, :]
+            if same_row is not None:
+                mask[:, :, :T] &= same_row
             mask[:, :, :T] |= eye  # ...except a query's own anchor, so no row is empty
             hidden = self.step(hidden, ids, positions + j, mask[:, None], cache)
             all_hidden.append(hidden)

@@ -394,6 +394,7 @@ _PROVIDERS: dict[str, str] = {
     "distill": "draftsmith.train.objectives.distill",
     "eagle1": "draftsmith.train.objectives.eagle",
     "eagle3": "draftsmith.train.objectives.eagle",
+    "medusa": "draftsmith.train.objectives.medusa",
 }
 
 

@@ -31,9 +31,12 @@ def compute_teacher(target: Target, batch: Batch, layers: tuple[int, ...] | list
     device = target.device
     input_ids = batch.input_ids.to(device)
     kwargs = {"attention_mask": batch.attention_mask.to(device), "use_cache": False}
-    position_ids = getattr(batch, "position_ids", None)  # packed rows restart positions per conversation
+    position_ids = getattr(batch, "position_ids", None)
     if position_ids is not None:
-        kwargs["position_ids"] = position_ids.to(device)
+        # Packed rows: positions restart at each conversation. With position_ids and no 2-D mask,
+        # transformers builds a block-diagonal causal mask, so conversations do not see each other
+        # (trailing padding has position 0 and becomes one-token blocks, masked out of every loss).
+        kwargs = {"position_ids": position_ids.to(device), "use_cache": False}
     with capture_layers(model, list(layers)) as store:
         out = model(input_ids=input_ids, **kwargs)
         features = dict(store)  # keyed by resolved (non-negative) layer ids

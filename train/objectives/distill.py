@@ -185,12 +185,13 @@ class DistillObjective(Objective):
 
     def _draft_logits(self, draft: nn.Module, batch: Batch) -> torch.Tensor:
         device = next(draft.parameters()).device
-        extra = {}
         if getattr(batch, "position_ids", None) is not None:
-            extra["position_ids"] = batch.position_ids.to(device)
-        out = draft(
-            input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), **extra
-        )
+            # packed rows: position_ids without a 2-D mask (and without a cache) make transformers
+            # mask block-diagonally
+            extra = {"position_ids": batch.position_ids.to(device), "use_cache": False}
+        else:
+            extra = {"attention_mask": batch.attention_mask.to(device)}
+        out = draft(input_ids=batch.input_ids.to(device), **extra)
         return out.logits[:, :-1]
 
     def loss(

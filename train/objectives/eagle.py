@@ -22,7 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map, ttt_attention_mask
+from draftsmith.drafts.eagle import (
+    EagleConfig,
+    EagleHead,
+    build_vocab_map,
+    packed_segments,
+    ttt_attention_mask,
+)
 from draftsmith.train.config import check_options, register_objective
 from draftsmith.train.objective import Batch, Objective, Teacher
 
@@ -45,11 +51,22 @@ def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
     return F.pad(x[:, n:], pad)
 
 
+def same_conversation(batch: Batch, offset: int) -> torch.Tensor:
+    """[B, T] bool: token t and token t+offset belong to the same conversation (packed rows hold several)."""
+    if batch.position_ids is None:
+        return torch.ones_like(batch.attention_mask, dtype=torch.bool)
+    segments = packed_segments(batch.position_ids)
+    return segments == shift_left(segments, offset)
+
+
 def step_valid_masks(batch: Batch, steps: int) -> torch.Tensor:
-    """[steps, B, T] bool: anchor t counts at step j iff token t is real and token t+2+j is learnt."""
+    """[steps, B, T] bool: anchor t counts at step j iff token t is real and token t+2+j is learnt
+    and in the same conversation as token t."""
     real = batch.attention_mask.bool()
     learnt = batch.loss_mask.bool() & real
-    return torch.stack([real & shift_left(learnt, 2 + j) for j in range(steps)])
+    return torch.stack(
+        [real & shift_left(learnt, 2 + j) & same_conversation(batch, 2 + j) for j in range(steps)]
+    )
 
 
 def soft_topk_cross_entropy(
@@ -149,7 +166,14 @@ class EagleObjective(Objective):
         head = _unwrap(draft)
         steps = len(self.step_weights)
         valid = step_valid_masks(batch, steps)
-        out = draft(batch.input_ids, teacher.features, batch.attention_mask, steps=steps, logit_masks=valid)
+        out = draft(
+            batch.input_ids,
+            teacher.features,
+            batch.attention_mask,
+            steps=steps,
+            logit_masks=valid,
+            position_ids=batch.position_ids,
+        )
         draft_index = head.t2d.long().cumsum(0) - 1  # target id -> draft id (d2t is ascending)
         greedy = _greedy(teacher)
         if self.preset == "eagle1":
@@ -189,11 +213,18 @@ class EagleObjective(Objective):
         chain drafting exactly where the data follows the target's greedy path (e.g. regenerated data)."""
         head = _unwrap(draft)
         real = batch.attention_mask.bool()
-        anchors = step_valid_masks(batch, 1)[0] & shift_left(real, k)
+        anchors = step_valid_masks(batch, 1)[0] & shift_left(real, k) & same_conversation(batch, k)
         if k < 1:
             return anchors.sum().view(1).cpu()
         masks = anchors.expand(k, *anchors.shape)
-        out = draft(batch.input_ids, teacher.features, batch.attention_mask, steps=k, logit_masks=masks)
+        out = draft(
+            batch.input_ids,
+            teacher.features,
+            batch.attention_mask,
+            steps=k,
+            logit_masks=masks,
+            position_ids=batch.position_ids,
+        )
         greedy = _greedy(teacher)
         matches = torch.stack(
             [
