@@ -1,10 +1,15 @@
 """Training throughput of the one loop: tokens/s of the training steps, per draft kind and mode.
 
 Runs a few steps of each setting on the same data and reports the real (non-padding) tokens per
-second of the training steps alone (teacher + draft forward/backward + optimizer), and the wall
-time of everything else (loading, the offline feature cache, validation). Prints a table, writes JSON.
+second per device of the training steps alone (teacher + draft forward/backward + optimizer), and
+the wall time of everything else (loading, the offline feature cache, validation). The first step
+is a warm-up, left out of the timing; its FLOPs are counted (``torch.utils.flop_counter``: every
+matmul and attention of the draft's forward and backward and, online, the frozen target's forward),
+which gives model FLOPs per token and, on a GPU, the model FLOP utilisation (MFU) against the
+device's peak dense bf16 FLOP/s. Prints a table, writes JSON.
 
     python bench/train_throughput.py --steps 20 --out bench/results/train_throughput.json
+    python bench/train_throughput.py --precision bf16-mixed --target-dtype bfloat16   # on a GPU
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import time
 from pathlib import Path
 
 import lightning as L
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from draftsmith.decode.target import load_target
 from draftsmith.eval.report import hardware_description
@@ -31,19 +38,55 @@ SETTINGS = {
 }
 
 
+# peak dense bf16 tensor FLOP/s per device, from the vendors' datasheets (no sparsity)
+PEAK_BF16_FLOPS = {
+    "H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 756e12,
+    "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12, "MI300X": 1307e12,
+}  # fmt: skip
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's peak dense bf16 FLOP/s (None on the CPU or for a GPU not in the table)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
 class StepTimer(L.Callback):
-    """Wall time and real tokens of every training step."""
+    """Wall time and real tokens of every training step after the first; FLOPs of the first."""
 
     def __init__(self) -> None:
         self.seconds, self.tokens, self._start = 0.0, 0, 0.0
+        self.flops_per_token: float | None = None
+        self._counter: FlopCounterMode | None = None
+        self._first_positions = 0
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         batch = batch if isinstance(batch, Batch) else batch[0]
+        if self.flops_per_token is None and self._counter is None:  # warm-up step: count, do not time
+            self._first_positions = batch.attention_mask.numel()
+            self._counter = FlopCounterMode(display=False)
+            self._counter.__enter__()
+            return
         self.tokens += int(batch.attention_mask.sum())
+        self._sync(module)
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if self._counter is not None:
+            self._counter.__exit__(None, None, None)
+            # per position of the padded batch: padding is wasted work, so MFU counts real tokens only
+            self.flops_per_token = self._counter.get_total_flops() / max(1, self._first_positions)
+            self._counter = None
+            return
+        self._sync(module)
         self.seconds += time.perf_counter() - self._start
+
+    @staticmethod
+    def _sync(module) -> None:
+        if module.device.type == "cuda":
+            torch.cuda.synchronize(module.device)
 
 
 def main() -> None:
@@ -56,7 +99,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--out", default="bench/results/train_throughput.json")
+    parser.add_argument("--precision", default=None, help="trainer.precision (e.g. bf16-mixed on a GPU)")
+    parser.add_argument("--target-dtype", default=None, help="target.dtype (e.g. bfloat16 on a GPU)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None, help="the device's peak bf16 TFLOP/s, if not in the table"
+    )
     args = parser.parse_args()
+    extra = [f"--trainer.precision={args.precision}"] if args.precision else []
+    extra += [f"--target.dtype={args.target_dtype}"] if args.target_dtype else []
 
     rows = {}
     target = None
@@ -74,6 +124,7 @@ def main() -> None:
                     f"--data.limit={args.steps * args.batch_size + 16}",
                     "--data.max_length=512",
                     "--data.heldout=16",
+                    *extra,
                 ],
             )
             if target is None:
@@ -82,15 +133,23 @@ def main() -> None:
             start = time.perf_counter()
             train(config, target=target, callbacks=[timer], enable_progress_bar=False)
             wall = time.perf_counter() - start
+        per_device = timer.tokens / timer.seconds  # one process, one device
+        peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(target.device)
+        mfu = timer.flops_per_token * per_device / peak if peak and timer.flops_per_token else None
         rows[name] = {
             "steps": args.steps,
+            "timed_steps": args.steps - 1,
             "tokens": timer.tokens,
             "step_seconds": timer.seconds,
-            "tokens_per_s": timer.tokens / timer.seconds,
+            "tokens_per_s_per_device": per_device,
+            "model_flops_per_token": timer.flops_per_token,
+            "peak_bf16_flops": peak,
+            "mfu": mfu,
             "other_seconds": wall - timer.seconds,
         }
-        print(f"{name:28s} {timer.tokens / timer.seconds:8.0f} tok/s in steps   "
-              f"({timer.tokens} tokens, {timer.seconds:.0f} s; {wall - timer.seconds:.0f} s outside steps)",
+        shown = f"MFU {100 * mfu:5.1f}%" if mfu is not None else "MFU -"
+        print(f"{name:32s} {per_device:8.0f} tok/s/device   {timer.flops_per_token / 1e9:7.2f} GFLOP/token   "
+              f"{shown}   ({timer.tokens} tokens, {timer.seconds:.0f} s; {wall - timer.seconds:.0f} s outside steps)",
               flush=True)  # fmt: skip
     result = {
         "target": target.name,

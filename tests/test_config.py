@@ -9,16 +9,8 @@ import pytest
 import yaml
 
 from draftsmith.cli import main
-from draftsmith.train.config import (
-    TrainConfig,
-    build_objective,
-    describe,
-    field_docs,
-    load_config,
-    objective_kinds,
-    parse_overrides,
-    to_dict,
-)
+from draftsmith.train.config import TrainConfig, describe, field_docs, load_config, parse_overrides, to_dict
+from draftsmith.train.registry import build_objective, objective_kinds
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 PATHS = "--data.paths=[a.jsonl]"
@@ -156,3 +148,64 @@ def test_cli_passes_config_and_resume_to_the_loop(monkeypatch, resume_at):
     assert main(argv) == 0
     ((config, resume),) = calls
     assert resume is True and config.trainer.max_steps == 3
+
+
+PRESETS = sorted((Path(__file__).resolve().parents[1] / "configs" / "presets").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_every_preset_combines_with_a_recipe(preset):
+    recipe = load_config(CONFIGS[0])
+    config = load_config(CONFIGS[0], ["--trainer.max_steps=3"], presets=[preset.stem])
+    assert config.data == recipe.data and config.draft == recipe.draft  # the recipe's own sections stay
+    assert config.trainer.max_steps == 3  # overrides still win over the preset
+    assert load_config(CONFIGS[0], presets=[preset]) == load_config(CONFIGS[0], presets=[preset.stem])
+    assert {"ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3"} <= {p.stem for p in PRESETS}
+
+
+def test_presets_apply_in_order_and_unknown_ones_are_named(tmp_path):
+    config = load_config(None, [PATHS], presets=["ddp", "multinode_slurm"])
+    assert (
+        config.trainer.strategy == "ddp"
+        and config.trainer.num_nodes == 2
+        and config.target.dtype == "bfloat16"
+    )
+    with pytest.raises(FileNotFoundError, match=r"no preset 'dpp'.*ddp"):
+        load_config(None, [PATHS], presets=["dpp"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  stratgy: ddp\n")
+    with pytest.raises(ValueError, match=r"unknown key 'trainer.stratgy'.*'strategy'"):
+        load_config(None, [PATHS], presets=[bad])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--trainer.strategy=deepspeed_stage2"],
+            r"unknown key 'deepspeed_stage2' in trainer.strategy.*'deepspeed_stage_2'",
+        ),
+        (["--trainer.num_nodes=0"], r"trainer.num_nodes must be >= 1"),
+        (["--target.device_map=balanced"], r"target.device_map: 'balanced' is not one of null, auto, device"),
+        (["--cache.feature_dtype=fp8"], r"cache.feature_dtype: 'fp8' is not one of auto, bfloat16, float8"),
+    ],
+)
+def test_distributed_keys_are_checked(args, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [PATHS, *args])
+
+
+def test_cli_passes_presets(monkeypatch):
+    import draftsmith.train.loop as loop
+
+    calls = []
+    monkeypatch.setattr(loop, "train", lambda config, resume: calls.append((config, resume)))
+    assert (
+        main(
+            ["train", str(CONFIGS[0]), "--preset", "fsdp", "--trainer.devices=4", "--preset=multinode_slurm"]
+        )
+        == 0
+    )
+    ((config, resume),) = calls
+    assert config.trainer.strategy == "fsdp" and config.trainer.devices == 4 and config.trainer.num_nodes == 2
+    assert resume is False

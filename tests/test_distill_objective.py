@@ -7,10 +7,10 @@ from tiny import tiny_target
 from draftsmith.decode.speculative import generate
 from draftsmith.drafts.loading import kind_of_checkpoint
 from draftsmith.train import losses
-from draftsmith.train.config import build_objective
 from draftsmith.train.objective import Batch, Teacher
 from draftsmith.train.objectives import distill
 from draftsmith.train.objectives.distill import DistillObjective
+from draftsmith.train.registry import build_objective
 
 
 def _batch() -> Batch:
@@ -187,3 +187,17 @@ def test_on_policy_sampling_is_reproducible_and_mixes_by_fraction():
     assert torch.equal(half.loss_mask[kept], batch.loss_mask[kept, : half.input_ids.shape[1]])
     assert half.input_ids[chosen[0], :4].tolist() == prompts[chosen[0]].tolist()
     assert 1 <= int(half.loss_mask[chosen[0]].sum()) <= 5
+
+
+def test_on_policy_generator_state_round_trips_for_exact_resume():
+    """The on-policy sampler's generator is saved with the checkpoint: a resumed objective draws the
+    same rows and continuations as one that never stopped."""
+    target = tiny_target("llama", layers=2)
+    options = {"num_layers": 1, "on_policy_fraction": 0.5}
+    running = DistillObjective(target, options)
+    running.generator = torch.Generator().manual_seed(7)
+    torch.rand(5, generator=running.generator)  # advanced past its seed, as after some steps
+    resumed = DistillObjective(target, options)
+    assert resumed.state_dict() == {}
+    resumed.load_state_dict(running.state_dict())
+    assert torch.equal(torch.rand(8, generator=resumed.generator), torch.rand(8, generator=running.generator))

@@ -15,9 +15,9 @@ from draftsmith.decode.speculative import generate
 from draftsmith.drafts.base import build_drafter
 from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map, check_target, ttt_attention_mask
 from draftsmith.drafts.eagle_drafter import EagleDrafter
-from draftsmith.train.config import build_objective
 from draftsmith.train.objective import Batch, Teacher
 from draftsmith.train.objectives.eagle import EagleObjective, soft_topk_cross_entropy
+from draftsmith.train.registry import build_objective
 
 ARCHS = ["llama", "qwen2"]
 PRESETS = ["eagle1", "eagle3"]

@@ -104,3 +104,85 @@ def test_full_logits_cache_stores_no_ids(target, rows, tmp_path):
     online = compute_teacher(target, batch, (1,), target.vocab_size)
     assert torch.equal(teacher.topk_ids, online.topk_ids)  # 0..V-1 at every position
     torch.testing.assert_close(teacher.topk_logits, online.topk_logits, rtol=2**-7, atol=1e-5)
+
+
+def test_cache_written_by_two_ranks_reads_back_complete(rows, tmp_path, capsys):
+    """Two ranks (threads here, each with its own copy of the target) split the shards; the cache then
+    holds every example once, and the by-shard training order gives each rank the shards it wrote."""
+    import threading
+
+    from tiny import tiny_target
+
+    from draftsmith.train.sampler import ResumableSampler
+
+    rows12 = rows.select(range(10)).add_item(rows[0]).add_item(rows[1])  # 12 rows -> 4 shards of 3
+    cache_dir, errors = tmp_path / "cache", []
+
+    def rank(r: int) -> None:
+        try:
+            build_feature_cache(
+                tiny_target("llama", layers=2), rows12, cache_dir, LAYERS, TOPK, examples_per_shard=3,
+                rank=r, world_size=2, wait_timeout=60,
+            )  # fmt: skip
+        except Exception as err:  # noqa: BLE001 (reported below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert "4 shards over 2 ranks" in capsys.readouterr().out
+    cache = FeatureCache(cache_dir)
+    assert len(cache) == 12 and cache.shard_sizes == [3, 3, 3, 3]
+    for i in range(12):  # complete and in order: example i is row i
+        assert cache[i]["input_ids"].tolist() == rows12[i]["input_ids"]
+    seen = [
+        list(ResumableSampler(12, batch_size=2, shard_sizes=cache.shard_sizes, rank=r, world_size=2))
+        for r in (0, 1)
+    ]
+    assert sorted(seen[0] + seen[1]) == list(range(12))  # each example once, across the two readers
+    assert {i // 3 for i in seen[0]} == {0, 2} and {i // 3 for i in seen[1]} == {1, 3}  # the shards it wrote
+
+
+def test_other_rank_that_never_writes_is_a_clear_timeout(target, rows, tmp_path):
+    with pytest.raises(TimeoutError, match="shard-00001"):
+        build_feature_cache(target, rows, tmp_path / "c", LAYERS, TOPK, examples_per_shard=4, rank=0,
+                            world_size=2, wait_timeout=0.5)  # fmt: skip
+
+
+def test_float8_cache_is_smaller_and_close(target, rows, tmp_path, capsys):
+    cache_dir = build_feature_cache(
+        target, rows, tmp_path / "fp8", LAYERS, TOPK, examples_per_shard=8, feature_dtype="float8"
+    )
+    per_token = bytes_per_token(32, len(LAYERS), TOPK, torch.float8_e4m3fn)
+    assert per_token < bytes_per_token(32, len(LAYERS), TOPK, torch.bfloat16)
+    assert f"{per_token:,} bytes/token" in capsys.readouterr().out
+    picks = [0, 9]
+    batch, teacher = collate_cached(
+        [FeatureCache(cache_dir)[i] for i in picks], pad_id=0, dtype=torch.float32
+    )
+    online = compute_teacher(target, collate([rows[i] for i in picks], pad_id=0), LAYERS, TOPK)
+    real = batch.attention_mask.bool()
+    for layer in LAYERS:
+        got, want = teacher.features[layer][real], online.features[layer][real]
+        scale = want.abs().amax(-1, keepdim=True)
+        assert ((got - want).abs() <= scale / 8).all()  # e4m3: 3 mantissa bits, relative to each token's max
+        assert not torch.equal(got, want)
+
+
+def test_packed_rows_keep_their_conversation_boundaries(target, conversations, tmp_path):  # noqa: F811
+    """Offline training on packed rows needs position_ids back, or the head would attend across
+    conversations that the teacher kept apart."""
+    packed = build_dataset([conversations], target.tokenizer, max_length=96, pack=True, seed=0).select(
+        range(4)
+    )
+    assert any(0 in row["position_ids"][1:] for row in packed)  # some row really holds two conversations
+    cache = FeatureCache(build_feature_cache(target, packed, tmp_path / "cache", LAYERS, TOPK, batch_size=2))
+    batch, teacher = collate_cached([cache[i] for i in range(4)], pad_id=0, dtype=target.dtype)
+    online_batch = collate([packed[i] for i in range(4)], pad_id=0)
+    assert torch.equal(batch.position_ids, online_batch.position_ids)
+    online = compute_teacher(target, online_batch, LAYERS, TOPK)
+    real = batch.attention_mask.bool()
+    torch.testing.assert_close(teacher.features[1][real], online.features[1][real], rtol=2**-7, atol=1e-5)

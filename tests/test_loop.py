@@ -13,9 +13,10 @@ from safetensors.torch import load_file, save_file
 from tiny import tiny_model, tiny_tokenizer
 from torch import nn
 
-from draftsmith.train.config import load_config, register_objective
+from draftsmith.train.config import load_config
 from draftsmith.train.loop import acceptance_summary, lr_factor, train
 from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.registry import register_objective
 
 
 class LinearHead(Objective):

@@ -40,9 +40,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def last_checkpoint(output_dir: str | Path) -> Path | None:
-    """The run's resumable checkpoint, or None. Temporary files are never returned."""
+    """The run's resumable checkpoint (a file, or a directory for DeepSpeed), or None.
+
+    Only whole checkpoints carry the final name (they are renamed into place), so temporary files and
+    directories of a write that was cut short are never returned.
+    """
     path = Path(output_dir) / CHECKPOINT_DIR / LAST
+    if path.is_dir():
+        return path if any(path.iterdir()) else None
     return path if path.is_file() and path.stat().st_size > 0 else None
+
+
+def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Delete what checkpoint writes killed midway left behind (``.<name>.tmp*``); return what went."""
+    directory = Path(output_dir) / CHECKPOINT_DIR
+    removed = sorted(directory.glob(".*.tmp*")) if directory.is_dir() else []
+    for path in removed:
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    return removed
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

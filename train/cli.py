@@ -1,4 +1,4 @@
-"""``draftsmith train CONFIG.yaml [--section.key=value ...] [--resume]``.
+"""``draftsmith train CONFIG.yaml [--preset NAME ...] [--section.key=value ...] [--resume]``.
 
 The help text lists every section and key of the typed config, generated from the dataclass
 docstrings in ``train/config.py``; torch and Lightning are imported only when training starts.
@@ -7,14 +7,20 @@ docstrings in ``train/config.py``; torch and Lightning are imported only when tr
 from __future__ import annotations
 
 import argparse
+import sys
 
-from draftsmith.train.config import describe, load_config, objective_kinds
+from draftsmith.train.config import describe, load_config
+from draftsmith.train.registry import objective_kinds
 
 EXAMPLE = """examples:
   draftsmith train configs/debug_eagle3.yaml
   draftsmith train configs/quickstart.yaml --trainer.max_steps=2000 --output.dir=runs/qs
   draftsmith train configs/quickstart.yaml --output.dir=runs/qs --resume
   draftsmith train configs/smollm2_eagle3.yaml --mode=offline --draft.options.ttt_steps=5
+  draftsmith train configs/smollm2_eagle3.yaml --preset ddp          (all GPUs of this node)
+  torchrun --nproc-per-node 8 -m draftsmith.cli train configs/smollm2_eagle3.yaml --preset fsdp
+  srun draftsmith train configs/smollm2_eagle3.yaml --preset ddp --preset multinode_slurm
+strategies, presets, launchers and the exact-resume guarantees: docs/TRAINING.md
 """
 
 
@@ -34,17 +40,49 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--resume", action="store_true", help="continue from <output.dir>/checkpoints/last.ckpt"
     )
+    parser.add_argument(
+        "--preset",
+        action="append",
+        default=[],
+        help="merge a preset over the recipe (a name in configs/presets/: ddp, fsdp, deepspeed_zero2, "
+        "deepspeed_zero3, multinode_slurm; or a YAML path); repeatable, overrides still win",
+    )
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key=value overrides")
     parser.set_defaults(func=run)
     return parser
 
 
+def split_flags(args: list[str]) -> tuple[list[str], bool, list[str]]:
+    """(overrides, resume, presets) from the arguments after the recipe, where argparse leaves them."""
+    overrides, resume, presets = [], False, []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--resume":
+            resume = True
+        elif arg == "--preset":
+            if i + 1 >= len(args):
+                raise ValueError("--preset needs a value: a name in configs/presets/ or a YAML file")
+            presets.append(args[i + 1])
+            i += 1
+        elif arg.startswith("--preset="):
+            presets.append(arg.partition("=")[2])
+        else:
+            overrides.append(arg)
+        i += 1
+    return overrides, resume, presets
+
+
 def run(args: argparse.Namespace) -> int:
-    overrides = [a for a in args.overrides if a != "--resume"]
-    resume = args.resume or len(overrides) != len(args.overrides)
-    config = load_config(args.config, overrides)
+    overrides, resume, presets = split_flags(args.overrides)
+    config = load_config(args.config, overrides, presets=[*args.preset, *presets])
+    resume = resume or args.resume
 
     from draftsmith.train.loop import train
 
-    train(config, resume=resume)
+    try:
+        train(config, resume=resume)
+    except ImportError as err:  # an optional extra the config needs (DeepSpeed) is not installed
+        print(f"draftsmith train: error: {err}", file=sys.stderr)
+        return 2
     return 0

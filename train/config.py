@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
-import importlib
 import inspect
 import textwrap
 import types
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -24,11 +21,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-if TYPE_CHECKING:
-    import torch
+from draftsmith.train.registry import objective_kinds, unknown_key
 
-    from draftsmith.decode.target import Target
-    from draftsmith.train.objective import Objective
+if TYPE_CHECKING:
+    pass
 
 
 @dataclass
@@ -38,8 +34,12 @@ class TargetConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype the target is loaded in (bfloat16 halves memory and the offline cache on GPUs)."""
     device: str = "auto"
-    """Where the target is loaded and the offline cache computed (auto = cuda if available); during
-    training it follows the draft to the trainer's device."""
+    """Where the target is loaded and the offline cache computed (auto = this rank's GPU if there is one,
+    else cpu); during training it follows the draft to the trainer's device."""
+    device_map: str | None = None
+    """Load the weights straight onto their device(s) instead of materialising them in host memory first:
+    null = load, then move to ``device``; "auto" = spread one copy over all visible GPUs (accelerate;
+    single process only); "device" = straight onto ``device`` (each rank its own GPU)."""
 
 
 @dataclass
@@ -79,6 +79,9 @@ class CacheConfig:
     """Conversations per safetensors shard; a shard is the unit of resume."""
     batch_size: int = 8
     """Target batch size while filling the cache."""
+    feature_dtype: Literal["auto", "bfloat16", "float8"] = "auto"
+    """Stored dtype of the features: auto = the target's if 16-bit, else bfloat16; float8 = e4m3 with one
+    float32 scale per token and layer (about half of bfloat16's bytes, ~2 significant digits)."""
 
 
 @dataclass
@@ -116,15 +119,21 @@ class TrainerConfig:
     log_every: int = 10
     """Log training metrics every this many optimizer steps."""
     precision: str = "32-true"
-    """Lightning precision: 32-true, bf16-mixed, 16-mixed, bf16-true."""
+    """Lightning precision: 32-true, bf16-mixed (GPUs: fp32 weights, bf16 compute), 16-mixed, bf16-true."""
     seed: int = 0
     """Seed for initialisation and data order."""
     accelerator: str = "auto"
     """Lightning accelerator: auto, cpu, gpu."""
     devices: int | str = 1
-    """Devices to train on (an int, a list as a string, or auto)."""
+    """Devices per node to train on (an int, a list as a string, or auto = all visible)."""
+    num_nodes: int = 1
+    """Nodes to train on (launch one process per device with torchrun or srun; see docs/TRAINING.md)."""
     strategy: str = "auto"
-    """Lightning strategy: auto, ddp, fsdp, deepspeed_stage_2, ..."""
+    """How the draft is replicated or sharded: auto, ddp, ddp_find_unused_parameters_true, ddp_spawn, fsdp,
+    fsdp_cpu_offload, deepspeed_stage_2, deepspeed_stage_2_offload, deepspeed_stage_3,
+    deepspeed_stage_3_offload (DeepSpeed: pip install 'draftsmith[deepspeed]'). Presets: configs/presets/."""
+    activation_checkpointing: bool = False
+    """Recompute the draft's decoder-layer activations in the backward pass: less memory, more compute."""
     num_workers: int = 0
     """DataLoader worker processes."""
 
@@ -234,12 +243,6 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise bad
 
 
-def _unknown_key(key: str, valid: list[str], where: str) -> ValueError:
-    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return ValueError(f"unknown key {key!r} in {where}.{hint} Valid keys: {', '.join(valid)}")
-
-
 def from_dict(cls: type, data: dict[str, Any] | None, prefix: str = "") -> Any:
     """Build dataclass ``cls`` from a nested dict, checking every key and value."""
     data = {} if data is None else data
@@ -250,7 +253,7 @@ def from_dict(cls: type, data: dict[str, Any] | None, prefix: str = "") -> Any:
     kwargs = {}
     for key, value in data.items():
         if key not in hints:
-            raise _unknown_key(f"{prefix}{key}", list(hints), where)
+            raise unknown_key(f"{prefix}{key}", list(hints), where)
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = from_dict(tp, value, f"{prefix}{key}.")
@@ -307,7 +310,7 @@ def _merge(base: dict[str, Any], extra: dict[str, Any], cls: type, prefix: str =
     out = dict(base)
     for key, value in extra.items():
         if key not in hints:
-            raise _unknown_key(f"{prefix}{key}", list(hints), where)
+            raise unknown_key(f"{prefix}{key}", list(hints), where)
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
@@ -321,16 +324,57 @@ def _merge(base: dict[str, Any], extra: dict[str, Any], cls: type, prefix: str =
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a YAML recipe (or the defaults when path is None), apply dotted overrides, validate."""
+STRATEGIES = (
+    "auto",
+    "ddp",
+    "ddp_find_unused_parameters_true",
+    "ddp_spawn",
+    "fsdp",
+    "fsdp_cpu_offload",
+    "deepspeed_stage_2",
+    "deepspeed_stage_2_offload",
+    "deepspeed_stage_3",
+    "deepspeed_stage_3_offload",
+)
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "presets"
+
+
+def _read_yaml(path: Path, what: str) -> dict[str, Any]:
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a {what} is a mapping of sections (target:, trainer:, ...), got {data!r}")
+    return data
+
+
+def resolve_preset(name: str | Path) -> Path:
+    """A preset file: a path, or a name in configs/presets/ (``ddp`` -> configs/presets/ddp.yaml)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    named = PRESETS_DIR / f"{name}.yaml"
+    if named.is_file():
+        return named
+    known = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+    raise FileNotFoundError(
+        f"no preset {str(name)!r}: not a file, and not one of {', '.join(known)} in {PRESETS_DIR}"
+    )
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    presets: list[str | Path] | tuple[str | Path, ...] = (),
+) -> TrainConfig:
+    """Read a YAML recipe (or the defaults when path is None), merge presets over it in order (e.g. a
+    strategy preset from configs/presets/), apply dotted overrides last, validate."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"config file {path} does not exist (recipes live in configs/)")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: a recipe is a mapping of sections (target:, data:, ...), got {data!r}")
+        data = _read_yaml(path, "recipe")
+    for preset in presets:
+        data = _merge(data, _read_yaml(resolve_preset(preset), "preset"), TrainConfig)
     if overrides:
         data = _merge(data, parse_overrides(overrides), TrainConfig)
     config = from_dict(TrainConfig, data)
@@ -352,9 +396,15 @@ def validate(config: TrainConfig) -> None:
         )
     if config.cache.examples_per_shard < 1 or config.cache.batch_size < 1:
         raise ValueError("cache.examples_per_shard and cache.batch_size must be >= 1")
+    if t.num_nodes < 1:
+        raise ValueError(f"trainer.num_nodes must be >= 1, got {t.num_nodes}")
+    if t.strategy not in STRATEGIES:
+        raise unknown_key(t.strategy, list(STRATEGIES), "trainer.strategy (no such strategy)")
+    if config.target.device_map not in (None, "auto", "device"):
+        raise ValueError(f"target.device_map: {config.target.device_map!r} is not one of null, auto, device")
     kinds = objective_kinds()
     if config.draft.kind not in kinds:
-        raise _unknown_key(config.draft.kind, kinds, "draft.kind (no such draft kind)")
+        raise unknown_key(config.draft.kind, kinds, "draft.kind (no such draft kind)")
 
 
 def describe() -> str:
@@ -380,63 +430,3 @@ def describe() -> str:
                 textwrap.fill(sub_docs.get(key, ""), 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
             )
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- objective registry
-
-ObjectiveFactory = Callable[["Target", dict[str, Any], "torch.Tensor | None"], "Objective"]
-"""``(target, draft.options, token_counts or None) -> Objective``."""
-
-_OBJECTIVES: dict[str, ObjectiveFactory] = {}
-# the module that registers each kind with @register_objective, imported on first use so that
-# reading a config never imports torch
-_PROVIDERS: dict[str, str] = {
-    "distill": "draftsmith.train.objectives.distill",
-    "eagle1": "draftsmith.train.objectives.eagle",
-    "eagle3": "draftsmith.train.objectives.eagle",
-    "medusa": "draftsmith.train.objectives.medusa",
-}
-
-
-def register_objective(kind: str) -> Callable[[ObjectiveFactory], ObjectiveFactory]:
-    """Decorator: make ``draft.kind: <kind>`` build its objective with this factory."""
-
-    def wrap(factory: ObjectiveFactory) -> ObjectiveFactory:
-        _OBJECTIVES[kind] = factory
-        return factory
-
-    return wrap
-
-
-def objective_kinds() -> list[str]:
-    return sorted(set(_OBJECTIVES) | set(_PROVIDERS))
-
-
-def build_objective(kind: str, target: Target, options: dict[str, Any], token_counts=None) -> Objective:
-    """Build the objective for a draft kind (importing the module that provides it on first use)."""
-    if kind not in _OBJECTIVES and kind in _PROVIDERS:
-        importlib.import_module(_PROVIDERS[kind])
-    if kind not in _OBJECTIVES:
-        raise _unknown_key(kind, objective_kinds(), "draft.kind (no such draft kind)")
-    return _OBJECTIVES[kind](target, dict(options), token_counts)
-
-
-def check_options(cls: type, kind: str, options: dict[str, Any]) -> None:
-    """Refuse ``draft.options`` keys that ``cls``'s constructor does not take, naming the valid ones."""
-    accepted = _constructor_options(cls)
-    for key in options:
-        if accepted is not None and key not in accepted:
-            raise _unknown_key(f"draft.options.{key}", sorted(accepted), f"draft.options of kind {kind!r}")
-
-
-def _constructor_options(cls: type) -> set[str] | None:
-    """Keyword options a class's constructor takes, following ``**options`` up the MRO (None = unknown)."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if "__init__" not in vars(klass):
-            continue
-        params = list(inspect.signature(vars(klass)["__init__"]).parameters.values())[2:]  # self, target
-        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            return names - {"token_counts", "preset"}
-    return None

@@ -6,10 +6,14 @@ Layout of a cache directory::
     shard-00000.safetensors  examples [0, S): tokens concatenated, ``offsets`` [n + 1] marks each one
 
 Each shard stores ``input_ids`` (int32), ``loss_mask`` (uint8), ``features.<layer>`` [N, H] (the
-target's dtype if 16-bit, else bfloat16), ``topk_logits`` [N, K] (bfloat16) and ``topk_ids`` [N, K]
-(int32; not stored when K covers the whole vocabulary: the ids are then 0..V-1), with a hash of its
-rows in the metadata. Shards are written to a temporary name and renamed,
-so a crash leaves only whole shards; a rerun skips every shard whose row hash still matches.
+target's dtype if 16-bit, else bfloat16; or float8 e4m3 with a float32 ``features_scale.<layer>`` [N]
+per token), ``topk_logits`` [N, K] (bfloat16) and ``topk_ids`` [N, K] (int32; not stored when K
+covers the whole vocabulary: the ids are then 0..V-1), with a hash of its rows in the metadata.
+Shards are written to a temporary name and renamed, so a crash leaves only whole shards; a rerun
+skips every shard whose row hash still matches.
+
+On several ranks, rank r writes the shards ``i % world_size == r`` (and later reads the same ones,
+see ``train/sampler.py``); rank 0 writes the manifest and every rank waits until all shards are whole.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,21 +37,43 @@ from draftsmith.train.teacher import compute_teacher
 
 MANIFEST = "cache.json"
 FORMAT_VERSION = 1
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value: each token's features are scaled so its absmax lands here
+_DTYPE_NAMES = {
+    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", FP8: "float8_e4m3fn"
+}  # fmt: skip
 
 
-def feature_dtype_for(target_dtype: torch.dtype) -> torch.dtype:
-    """Features are stored in the target's dtype when it is 16-bit, else in bfloat16 (half the disk)."""
+def feature_dtype_for(target_dtype: torch.dtype, choice: str = "auto") -> torch.dtype:
+    """Stored feature dtype: the target's when it is 16-bit, else bfloat16 (half the disk); or float8."""
+    if choice == "float8":
+        return FP8
+    if choice == "bfloat16":
+        return torch.bfloat16
+    if choice != "auto":
+        raise ValueError(f"cache feature dtype {choice!r} is not one of auto, bfloat16, float8")
     return target_dtype if target_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
 def bytes_per_token(
     hidden: int, num_layers: int, topk: int, feature_dtype: torch.dtype, vocab_size: int | None = None
 ) -> int:
-    """Disk bytes one token costs: features + top-k (bf16 logit + int32 id; no ids for the full
-    vocabulary) + int32 token id + uint8 mask."""
+    """Disk bytes one token costs: features (+ a float32 scale per layer in float8) + top-k (bf16 logit
+    + int32 id; no ids for the full vocabulary) + int32 token id + uint8 mask."""
     full = vocab_size is not None and topk >= vocab_size
-    return hidden * num_layers * feature_dtype.itemsize + topk * (2 if full else 6) + 4 + 1
+    scale = 4 if feature_dtype == FP8 else 0
+    return num_layers * (hidden * feature_dtype.itemsize + scale) + topk * (2 if full else 6) + 4 + 1
+
+
+def to_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([N, H] float8 e4m3, [N] float32 scale) with x ~= fp8.float() * scale[:, None]."""
+    x = x.float()
+    scale = x.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    return (x / scale[:, None]).to(FP8), scale
+
+
+def from_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() * scale[:, None]).to(torch.bfloat16)
 
 
 def _rows_hash(rows: Sequence[dict]) -> str:
@@ -55,6 +82,8 @@ def _rows_hash(rows: Sequence[dict]) -> str:
         ids = torch.as_tensor(row["input_ids"], dtype=torch.int32)
         h.update(len(ids).to_bytes(4, "little") + ids.numpy().tobytes())
         h.update(torch.as_tensor(row["loss_mask"], dtype=torch.uint8).numpy().tobytes())
+        if "position_ids" in row:  # packed rows: where each conversation starts is part of the data
+            h.update(torch.as_tensor(row["position_ids"], dtype=torch.int32).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -87,56 +116,74 @@ def build_feature_cache(
     examples_per_shard: int = 256,
     batch_size: int = 8,
     pad_id: int = 0,
+    feature_dtype: str = "auto",
+    rank: int = 0,
+    world_size: int = 1,
+    wait_timeout: float = 24 * 3600.0,
 ) -> Path:
     """Fill ``directory`` with the target's outputs for every row of ``dataset`` (input_ids/loss_mask rows).
 
     Prints the disk cost before starting; resumable (complete shards of the same rows are skipped).
+    With ``world_size`` > 1 this rank writes the shards ``i % world_size == rank`` and returns once every
+    rank's shards are whole (the directory must be shared by all ranks).
     """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     layers = sorted(int(i) for i in layers)
-    feature_dtype = feature_dtype_for(target.dtype)
+    stored_dtype = feature_dtype_for(target.dtype, feature_dtype)
     hidden = int(target.config.hidden_size)
     topk = min(topk, target.vocab_size)
     manifest = {
         "format_version": FORMAT_VERSION,
         "target": target.record(),
         "target_dtype": _DTYPE_NAMES[target.dtype],
-        "feature_dtype": _DTYPE_NAMES[feature_dtype],
+        "feature_dtype": _DTYPE_NAMES[stored_dtype],
         "layers": layers,
         "topk": topk,
         "full_logits": topk == target.vocab_size,
         "examples_per_shard": examples_per_shard,
         "num_examples": len(dataset),
     }
-    _write_manifest(directory, manifest)
+    if rank == 0:
+        _write_manifest(directory, manifest)
+    else:
+        _wait_for(
+            lambda: _manifest_matches(directory, manifest),
+            wait_timeout,
+            f"{directory / MANIFEST} from rank 0",
+        )
 
     num_shards = (len(dataset) + examples_per_shard - 1) // examples_per_shard
-    per_token = bytes_per_token(hidden, len(layers), topk, feature_dtype, target.vocab_size)
+    per_token = bytes_per_token(hidden, len(layers), topk, stored_dtype, target.vocab_size)
     what = "full logits (bf16)" if manifest["full_logits"] else f"top-{topk} logits (bf16 + int32 ids)"
     lengths = [len(ids) for ids in dataset["input_ids"]]
     total = per_token * sum(lengths)
-    print(
-        f"[draftsmith] feature cache {directory}: {len(layers)} layers x {hidden} x {manifest['feature_dtype']}"
-        f" + {what} = {per_token:,} bytes/token x {sum(lengths):,} tokens"
-        f" = {_human(total)} in {num_shards} shards",
-        flush=True,
-    )
-    free = shutil.disk_usage(directory).free
-    if free < total:
-        print(f"[draftsmith] warning: only {_human(free)} free on the cache's disk", flush=True)
+    if rank == 0:
+        print(
+            f"[draftsmith] feature cache {directory}: {len(layers)} layers x {hidden} x {manifest['feature_dtype']}"
+            f" + {what} = {per_token:,} bytes/token x {sum(lengths):,} tokens"
+            f" = {_human(total)} in {num_shards} shards"
+            + (f" over {world_size} ranks" if world_size > 1 else ""),
+            flush=True,
+        )
+        free = shutil.disk_usage(directory).free
+        if free < total:
+            print(f"[draftsmith] warning: only {_human(free)} free on the cache's disk", flush=True)
 
-    todo = []
+    hashes, todo = {}, []
     for shard in range(num_shards):
         rows = dataset.select(
             range(shard * examples_per_shard, min(len(dataset), (shard + 1) * examples_per_shard))
         )
-        rows_hash = _rows_hash(rows)
-        if _shard_hash(_shard_path(directory, shard)) != rows_hash:
-            todo.append((shard, rows, rows_hash))
-    if len(todo) < num_shards:
+        hashes[shard] = _rows_hash(rows)
+        if shard % world_size == rank and _shard_hash(_shard_path(directory, shard)) != hashes[shard]:
+            todo.append((shard, rows, hashes[shard]))
+    mine = len(range(rank, num_shards, world_size))
+    if len(todo) < mine:
         print(
-            f"[draftsmith] {num_shards - len(todo)} of {num_shards} shards already complete; resuming",
+            f"[draftsmith] {mine - len(todo)} of {mine} shards{_of_rank(rank, world_size)} already complete; resuming",
             flush=True,
         )
     todo_tokens = sum(sum(len(ids) for ids in rows["input_ids"]) for _, rows, _ in todo)
@@ -150,36 +197,76 @@ def build_feature_cache(
                 topk,
                 batch_size,
                 pad_id,
-                feature_dtype,
+                stored_dtype,
                 rows_hash,
                 bar,
             )
+    if world_size > 1:
+        missing = lambda: [  # noqa: E731
+            _shard_path(directory, s).name
+            for s, h in hashes.items()
+            if _shard_hash(_shard_path(directory, s)) != h
+        ]
+        _wait_for(
+            lambda: not missing(), wait_timeout, f"the shards of the other ranks in {directory}", missing
+        )
     return directory
+
+
+def _of_rank(rank: int, world_size: int) -> str:
+    return f" of rank {rank}/{world_size}" if world_size > 1 else ""
+
+
+def _wait_for(done, timeout: float, what: str, details=None) -> None:
+    """Poll ``done()`` each second; after ``timeout`` seconds raise naming what never appeared."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            extra = f" (still missing: {details()})" if details is not None else ""
+            raise TimeoutError(
+                f"waited {timeout:g} s for {what}{extra}; did a rank fail, or is the cache directory "
+                "not shared by all ranks (cache.dir must be on a shared filesystem)?"
+            )
+        time.sleep(1.0)
+
+
+def _manifest_matches(directory: Path, manifest: dict) -> bool:
+    path = directory / MANIFEST
+    if not path.exists():
+        return False
+    try:
+        _check_manifest(directory, json.loads(path.read_text()), manifest)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _write_manifest(directory: Path, manifest: dict) -> None:
     path = directory / MANIFEST
     if path.exists():
-        old = json.loads(path.read_text())
-        fixed = (
-            "format_version",
-            "target",
-            "target_dtype",
-            "feature_dtype",
-            "layers",
-            "topk",
-            "examples_per_shard",
-        )
-        diff = [k for k in fixed if old.get(k) != manifest[k]]
-        if diff:
-            raise ValueError(
-                f"{directory} holds a feature cache built with different {', '.join(diff)} "
-                f"(was {[old.get(k) for k in diff]}, now {[manifest[k] for k in diff]}); "
-                "delete it or point cache.dir at a new directory"
-            )
+        _check_manifest(directory, json.loads(path.read_text()), manifest)
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, path)
+
+
+def _check_manifest(directory: Path, old: dict, manifest: dict) -> None:
+    fixed = (
+        "format_version",
+        "target",
+        "target_dtype",
+        "feature_dtype",
+        "layers",
+        "topk",
+        "examples_per_shard",
+    )
+    diff = [k for k in fixed if old.get(k) != manifest[k]]
+    if diff:
+        raise ValueError(
+            f"{directory} holds a feature cache built with different {', '.join(diff)} "
+            f"(was {[old.get(k) for k in diff]}, now {[manifest[k] for k in diff]}); "
+            "delete it or point cache.dir at a new directory"
+        )
 
 
 def _write_shard(target, rows, path, layers, topk, batch_size, pad_id, feature_dtype, rows_hash, bar) -> None:
@@ -196,6 +283,11 @@ def _write_shard(target, rows, path, layers, topk, batch_size, pad_id, feature_d
         "topk_logits": torch.empty(n_tokens, topk, dtype=torch.bfloat16),
         **{f"features.{i}": torch.empty(n_tokens, hidden, dtype=feature_dtype) for i in layers},
     }
+    if feature_dtype == FP8:
+        out.update({f"features_scale.{i}": torch.empty(n_tokens, dtype=torch.float32) for i in layers})
+    packed = "position_ids" in rows[0]
+    if packed:
+        out["position_ids"] = torch.empty(n_tokens, dtype=torch.int32)
     full = topk == target.vocab_size
     if not full:
         out["topk_ids"] = torch.empty(n_tokens, topk, dtype=torch.int32)
@@ -208,8 +300,14 @@ def _write_shard(target, rows, path, layers, topk, batch_size, pad_id, feature_d
             lo, hi, n = int(offsets[r]), int(offsets[r + 1]), lengths[r]
             out["input_ids"][lo:hi] = batch.input_ids[b, :n]
             out["loss_mask"][lo:hi] = batch.loss_mask[b, :n]
+            if packed:
+                out["position_ids"][lo:hi] = batch.position_ids[b, :n]
             for i in layers:
-                out[f"features.{i}"][lo:hi] = teacher.features[i][b, :n].to("cpu", feature_dtype)
+                if feature_dtype == FP8:
+                    values, scale = to_fp8(teacher.features[i][b, :n].to("cpu"))
+                    out[f"features.{i}"][lo:hi], out[f"features_scale.{i}"][lo:hi] = values, scale
+                else:
+                    out[f"features.{i}"][lo:hi] = teacher.features[i][b, :n].to("cpu", feature_dtype)
             if topk:
                 out["topk_logits"][lo:hi] = teacher.topk_logits[b, :n].to("cpu", torch.bfloat16)
             if topk and not full:
@@ -235,6 +333,7 @@ class FeatureCache(torch.utils.data.Dataset):
         self.topk = int(self.manifest["topk"])
         self.full_logits = bool(self.manifest.get("full_logits", False))
         self.target_dtype = getattr(torch, self.manifest["target_dtype"])
+        self.fp8 = self.manifest.get("feature_dtype") == _DTYPE_NAMES[FP8]
         per_shard = int(self.manifest["examples_per_shard"])
         n = int(self.manifest["num_examples"])
         self._offsets: list[torch.Tensor] = []
@@ -253,6 +352,15 @@ class FeatureCache(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def shard_sizes(self) -> list[int]:
+        """Examples in each shard, in order (the by-shard training order splits shards across ranks)."""
+        return [len(offsets) - 1 for offsets in self._offsets]
+
+    def _features(self, f, layer: int, lo: int, hi: int) -> torch.Tensor:
+        values = f.get_slice(f"features.{layer}")[lo:hi]
+        return from_fp8(values, f.get_slice(f"features_scale.{layer}")[lo:hi]) if self.fp8 else values
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_handles": {}}
 
@@ -269,13 +377,16 @@ class FeatureCache(torch.utils.data.Dataset):
             ids = torch.arange(self.topk).expand(hi - lo, self.topk)
         elif self.topk:
             ids = f.get_slice("topk_ids")[lo:hi]
-        return {
+        row = {
             "input_ids": f.get_slice("input_ids")[lo:hi],
             "loss_mask": f.get_slice("loss_mask")[lo:hi],
-            "features": {i: f.get_slice(f"features.{i}")[lo:hi] for i in self.layers},
+            "features": {i: self._features(f, i, lo, hi) for i in self.layers},
             "topk_logits": f.get_slice("topk_logits")[lo:hi] if self.topk else None,
             "topk_ids": ids,
         }
+        if "position_ids" in f.keys():  # packed rows
+            row["position_ids"] = f.get_slice("position_ids")[lo:hi]
+        return row
 
 
 def collate_cached(
@@ -284,6 +395,7 @@ def collate_cached(
     """Right-pad cached examples into (Batch, Teacher); features cast to ``dtype`` (the target's) if given.
 
     Padded positions hold zeros (and pad_id tokens); they have attention_mask and loss_mask 0.
+    Packed rows bring their ``position_ids`` (padding: 0), which keep their conversations apart.
     """
     width = max(len(r["input_ids"]) for r in rows)
     bsz = len(rows)
@@ -294,6 +406,8 @@ def collate_cached(
     features = {
         i: torch.zeros(bsz, width, f.shape[-1], dtype=dtype or f.dtype) for i, f in first["features"].items()
     }
+    packed = "position_ids" in first
+    position_ids = torch.zeros(bsz, width, dtype=torch.long) if packed else None
     has_topk = first["topk_logits"] is not None
     if has_topk:
         k = first["topk_logits"].shape[-1]
@@ -304,12 +418,14 @@ def collate_cached(
         input_ids[b, :n] = row["input_ids"]
         attention_mask[b, :n] = 1
         loss_mask[b, :n] = row["loss_mask"]
+        if packed:
+            position_ids[b, :n] = row["position_ids"]
         for i, f in row["features"].items():
             features[i][b, :n] = f
         if has_topk:
             topk_logits[b, :n] = row["topk_logits"]
             topk_ids[b, :n] = row["topk_ids"]
-    batch = Batch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask)
+    batch = Batch(input_ids, attention_mask, loss_mask, position_ids)
     if not has_topk:
         return batch, Teacher(features=features)
     return batch, Teacher(features=features, topk_logits=topk_logits, topk_ids=topk_ids)

@@ -4,7 +4,10 @@ The frozen target is kept outside the LightningModule (a plain attribute, not a 
 is never in the optimizer or in a checkpoint. Each step gets a ``Batch`` and its ``Teacher`` — from
 a target forward (online) or the feature cache (offline) — and hands both to the draft kind's
 ``Objective``. Validation reports loss and simulated acceptance (τ and per-position rates) on
-held-out conversations, and exports the draft; ``--resume`` continues from the last checkpoint.
+held-out conversations, and exports the draft; ``--resume`` continues from the last checkpoint
+exactly where the run stopped: weights, optimizer, scheduler, data position and RNG states
+(``train/sampler.py``, ``train/resume.py``). Strategies (DDP, FSDP, DeepSpeed) come from the config
+through ``train/distributed.py``; nothing here depends on how many processes run it.
 """
 
 from __future__ import annotations
@@ -34,11 +37,22 @@ from draftsmith.train.checkpoint import (
     AtomicCheckpointIO,
     export_draft,
     last_checkpoint,
+    remove_partial_checkpoints,
     write_text_atomic,
 )
-from draftsmith.train.config import TrainConfig, build_objective, to_dict
+from draftsmith.train.config import TrainConfig, to_dict
+from draftsmith.train.distributed import (
+    build_strategy,
+    check_strategy,
+    enable_activation_checkpointing,
+    env_rank,
+    target_device,
+)
 from draftsmith.train.feature_cache import FeatureCache, build_feature_cache, collate_cached
 from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.registry import build_objective
+from draftsmith.train.resume import ExactResume
+from draftsmith.train.sampler import EvalSampler, ResumableDataLoader, ResumableSampler
 from draftsmith.train.teacher import compute_teacher
 
 TOKEN_COUNTS = "token_counts.safetensors"
@@ -100,7 +114,10 @@ class DraftModule(L.LightningModule):
         return _to_device(batch, device)
 
     def on_fit_start(self) -> None:
-        if self.target is not None and self.config.mode == "online":
+        if self.target is None or self.config.mode != "online":
+            return
+        placed = set(getattr(self.target.model, "hf_device_map", {}).values())
+        if len(placed) <= 1:  # a target spread over several devices (device_map: auto) stays where it is
             self.target.model.to(self.device)
 
     on_validation_start = on_fit_start
@@ -119,7 +136,8 @@ class DraftModule(L.LightningModule):
         batch, teacher = self._with_teacher(batch)
         out = self.objective.loss(self.draft, batch, teacher)
         size = int(batch.input_ids.shape[0])
-        self.log("train/loss", out["loss"], prog_bar=True, batch_size=size)
+        # the loss logged is the mean over all ranks: the same curve on any number of processes
+        self.log("train/loss", out["loss"], prog_bar=True, batch_size=size, sync_dist=True)
         for name, value in out.items():
             if name != "loss":
                 self.log(f"train/{name}", value, batch_size=size)
@@ -222,20 +240,27 @@ def count_tokens(dataset, vocab_size: int) -> torch.Tensor:
 def make_loaders(
     config: TrainConfig, train_ds, heldout_ds, pad_id: int, cache_dirs: tuple[Path, Path] | None, dtype
 ):
-    """(train, val) DataLoaders yielding Batch (online) or (Batch, Teacher) from the feature cache (offline)."""
+    """(train, val) DataLoaders yielding Batch (online) or (Batch, Teacher) from the feature cache (offline).
+
+    Training rows come in the resumable, rank-sharded order of ``ResumableSampler`` (one global
+    shuffle online; the cache's shards split across ranks offline); held-out rows are split across ranks.
+    """
     from draftsmith.train.data import collate
 
     t = config.trainer
     if cache_dirs is None:
         collate_fn = partial(collate, pad_id=pad_id)
         sources = (train_ds, heldout_ds)
+        shard_sizes = None
     else:
         collate_fn = partial(collate_cached, pad_id=pad_id, dtype=dtype)
         sources = (FeatureCache(cache_dirs[0]), FeatureCache(cache_dirs[1]))
-    kwargs = dict(batch_size=t.batch_size, collate_fn=collate_fn, num_workers=t.num_workers)
+        shard_sizes = sources[0].shard_sizes
+    sampler = ResumableSampler(len(sources[0]), t.batch_size, seed=t.seed, shard_sizes=shard_sizes)
+    kwargs = dict(collate_fn=collate_fn, num_workers=t.num_workers)
     return (
-        DataLoader(sources[0], shuffle=True, drop_last=len(sources[0]) > t.batch_size, **kwargs),
-        DataLoader(sources[1], shuffle=False, **kwargs),
+        ResumableDataLoader(sources[0], sampler, **kwargs),
+        DataLoader(sources[1], batch_size=t.batch_size, sampler=EvalSampler(len(sources[1])), **kwargs),
     )
 
 
@@ -267,6 +292,8 @@ def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Traine
     ]
     kwargs = dict(
         max_steps=t.max_steps,
+        num_nodes=t.num_nodes,
+        use_distributed_sampler=False,  # the loaders shard by rank themselves (train/sampler.py)
         max_epochs=-1,
         accumulate_grad_batches=t.grad_accum,
         gradient_clip_val=config.optim.grad_clip,
@@ -276,7 +303,7 @@ def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Traine
         precision=t.precision,
         accelerator=t.accelerator,
         devices=t.devices,
-        strategy=t.strategy,
+        strategy=build_strategy(t),
         default_root_dir=output_dir,
         logger=[CSVLogger(output_dir, name="logs"), TensorBoardLogger(output_dir, name="tensorboard")],
         callbacks=callbacks,
@@ -303,9 +330,16 @@ def train(
             f"{output_dir} already holds a run ({ckpt}); pass --resume to continue it, "
             "or set --output.dir to a new directory"
         )
+    check_strategy(config.trainer)
+    rank, _, world_size = env_rank()  # known before Lightning starts the process group
+    if rank == 0:
+        remove_partial_checkpoints(output_dir)  # left by a run killed while writing one
     L.seed_everything(config.trainer.seed, workers=True, verbose=False)
     if target is None:
-        target = load_target(config.target.spec, device=config.target.device, dtype=config.target.dtype)
+        tc = config.target
+        target = load_target(
+            tc.spec, device=target_device(tc.device), dtype=tc.dtype, device_map=tc.device_map
+        )
     train_ds, heldout_ds = prepare_datasets(config, target.tokenizer)
     pad_id = pad_id_of(target.tokenizer)
 
@@ -314,9 +348,11 @@ def train(
         token_counts = load_file(str(counts_path))["token_counts"]
     else:
         token_counts = count_tokens(train_ds, target.vocab_size)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        save_file({"token_counts": token_counts}, str(counts_path))
-    write_text_atomic(output_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
+        if rank == 0:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            save_file({"token_counts": token_counts}, str(counts_path))
+    if rank == 0:
+        write_text_atomic(output_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
 
     objective = build_objective(config.draft.kind, target, config.draft.options, token_counts)
     cache_dirs = None
@@ -328,16 +364,20 @@ def train(
     if config.mode == "offline":
         root = Path(config.cache.dir) if config.cache.dir else output_dir / "feature_cache"
         cache_dirs = (root / "train", root / "heldout")
+        c = config.cache
         for ds, directory in zip((train_ds, heldout_ds), cache_dirs):
             build_feature_cache(
-                target, ds, directory, objective.capture_layers, objective.teacher_topk,
-                config.cache.examples_per_shard, config.cache.batch_size, pad_id,
+                target, ds, directory, objective.capture_layers, objective.teacher_topk, c.examples_per_shard,
+                c.batch_size, pad_id, feature_dtype=c.feature_dtype, rank=rank, world_size=world_size,
             )  # fmt: skip
         target.model.to("cpu")  # offline: the target's work is done; free the accelerator for the draft
     train_loader, val_loader = make_loaders(config, train_ds, heldout_ds, pad_id, cache_dirs, target.dtype)
 
     module = DraftModule(objective, config, target, output_dir)
-    trainer = make_trainer(config, output_dir, **trainer_overrides)
+    if config.trainer.activation_checkpointing:
+        enable_activation_checkpointing(module.draft, config.draft.kind)
+    callbacks = [ExactResume(train_loader.sampler, objective), *trainer_overrides.pop("callbacks", [])]
+    trainer = make_trainer(config, output_dir, callbacks=callbacks, **trainer_overrides)
     trainer.fit(module, train_loader, val_loader, ckpt_path=str(ckpt) if resume else None)
     if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
         trainer.validate(module, val_loader, verbose=False)  # final τ for the final weights (and export)

@@ -76,3 +76,11 @@ class Objective(ABC):
     def save(self, draft: nn.Module, directory: Path) -> None:
         """Write a checkpoint ``draftsmith eval --draft DIR`` can load (default: save_pretrained)."""
         draft.save_pretrained(directory)
+
+    def state_dict(self) -> dict:
+        """The objective's own state an exact resume must restore (e.g. a sampling generator)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned (default: nothing to restore)."""
+        del state  # the default objective keeps no state

@@ -34,10 +34,10 @@ from transformers import DynamicCache
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.target import Target, resolve_dtype
 from draftsmith.drafts import small_lm
-from draftsmith.train.config import register_objective
 from draftsmith.train.data import collate
 from draftsmith.train.losses import LOSSES, TokenLoss, distillation_loss, teacher_labels, token_count
 from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.registry import register_objective
 
 INITS = ("target_layers", "config", "pretrained")
 DEFAULTS: dict[str, Any] = {
@@ -134,6 +134,17 @@ class DistillObjective(Objective):
     @property
     def on_policy(self) -> bool:
         return float(self.options["on_policy_fraction"]) > 0
+
+    def state_dict(self) -> dict:
+        """The on-policy sampling generator, so a resumed run draws the same continuations."""
+        if self.generator is None:
+            return {}
+        return {"generator": self.generator.get_state(), "device": str(self.generator.device)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "generator" in state:
+            self.generator = torch.Generator(device=state["device"])
+            self.generator.set_state(state["generator"])
 
     def prepare_batch(self, draft: nn.Module, batch: Batch) -> Batch:
         """Replace ``on_policy_fraction`` of the rows by the draft's continuations (before the teacher runs)."""

@@ -29,8 +29,8 @@ from draftsmith.drafts.eagle import (
     packed_segments,
     ttt_attention_mask,
 )
-from draftsmith.train.config import check_options, register_objective
 from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.registry import check_options, register_objective
 
 __all__ = [
     "Eagle1Objective",

@@ -1,0 +1,143 @@
+"""Exact resume: a run SIGKILLed after a checkpoint and resumed ends with the same weights, bit for bit,
+as a run that went straight through (CPU, deterministic algorithms, one thread). Plus the resumable
+sampler's order and position on its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import train_worker  # noqa: F401 (registers test-noisy)
+from test_loop import QUIET, make_config, tiny_target_dir  # noqa: F401 (fixture)
+
+from draftsmith.train.checkpoint import last_checkpoint
+from draftsmith.train.loop import train
+from draftsmith.train.sampler import ResumableSampler
+
+WORKER = Path(__file__).parent / "train_worker.py"
+
+
+@pytest.fixture(scope="module")
+def uniform_conversations(tmp_path_factory) -> Path:
+    """24 conversations of identical length (two-digit numbers): every row has as many loss tokens."""
+    path = tmp_path_factory.mktemp("data") / "uniform.jsonl"
+    with path.open("w") as f:
+        for i in range(10, 34):
+            turns = [
+                {"from": "human", "value": f"count from {i}"},
+                {"from": "gpt", "value": f"{i} {i + 1} {i + 2}"},
+            ]
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    return path
+
+
+@pytest.fixture
+def deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def run_worker(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    return subprocess.run(
+        [sys.executable, str(WORKER), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def final_weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(last_checkpoint(out), weights_only=True)["state_dict"]
+
+
+# 20 training rows, 2 per micro-batch, 2 micro-batches per step: 5 steps an epoch. The run is killed
+# after step 4 (last checkpoint: step 3, mid-epoch) and resumed across the epoch boundary to step 8.
+RUN = ("--draft.kind=test-noisy", "--trainer.batch_size=2", "--trainer.grad_accum=2", "--trainer.max_steps=8",
+       "--trainer.ckpt_every=3", "--trainer.val_every=4")  # fmt: skip
+
+
+def test_sigkill_resume_equals_straight_run(tiny_target_dir, uniform_conversations, tmp_path, deterministic):  # noqa: F811
+    straight = tmp_path / "straight"
+    train(make_config(tiny_target_dir, uniform_conversations, straight, *RUN), **QUIET)
+
+    killed = tmp_path / "killed"
+    proc = run_worker(tiny_target_dir, uniform_conversations, killed, *RUN, "--kill-at-step", "4")
+    assert proc.returncode == -9, proc.stderr[-3000:]  # died by SIGKILL, not by finishing or raising
+    saved = torch.load(last_checkpoint(killed), weights_only=True)
+    assert saved["global_step"] == 3
+    position = {"epoch": 0, "consumed": 12, "seed": 0, "world_size": 1}  # 6 micro-batches x 2 rows
+    assert saved["draftsmith_resume"]["data"] == position
+    assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [position]  # Lightning's copy
+    assert len(saved["draftsmith_resume"]["ranks"]) == 1
+    # a checkpoint write cut short by the kill: never picked up, cleaned away on resume
+    partial = killed / "checkpoints" / ".last.ckpt.tmp-99999"
+    partial.write_bytes(b"\x80\x02 half a pickle")
+
+    result = train(make_config(tiny_target_dir, uniform_conversations, killed, *RUN), resume=True, **QUIET)
+    assert result.steps == 8 and not partial.exists()
+    want, got = final_weights(straight), final_weights(killed)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    assert not torch.equal(want["draft.1.weight"], saved["state_dict"]["draft.1.weight"])  # it did train on
+
+
+def test_a_partial_checkpoint_alone_is_not_resumable(tiny_target_dir, uniform_conversations, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / ".last.ckpt.tmp-4242").write_bytes(b"partial")
+    assert last_checkpoint(out) is None
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train(make_config(tiny_target_dir, uniform_conversations, out), resume=True, **QUIET)
+
+
+def epoch_rows(sampler: ResumableSampler) -> list[int]:
+    return list(sampler)
+
+
+def test_sampler_order_is_fixed_by_seed_and_epoch_and_resumes():
+    a = ResumableSampler(10, batch_size=3, seed=1, rank=0, world_size=1)
+    first = epoch_rows(a)
+    assert len(first) == len(a) == 9 and len(set(first)) == 9  # one row left out: not a whole batch
+    a.advance(3)  # the epoch's last batch taken: the sampler moves on by itself
+    assert a.state_dict()["epoch"] == 1 and a.consumed == 0
+    second = epoch_rows(a)
+    assert (
+        second != first and len(set(second)) == 9 and set(second) != set(first)
+    )  # reshuffled, another left out
+    b = ResumableSampler(10, batch_size=3, seed=1, rank=0, world_size=1)
+    b.advance(5)  # 3 batches of epoch 0, 2 of epoch 1
+    c = ResumableSampler(10, batch_size=3, seed=1, rank=0, world_size=1)
+    c.load_state_dict(b.state_dict())
+    assert epoch_rows(c) == second[6:] and len(c) == 9
+    assert (
+        epoch_rows(ResumableSampler(10, batch_size=3, seed=1, rank=0, world_size=1)) == first
+    )  # by seed alone
+    with pytest.raises(ValueError, match="same trainer.seed"):
+        ResumableSampler(10, batch_size=3, seed=2).load_state_dict(b.state_dict())
+
+
+def test_sampler_global_batches_are_the_same_on_any_world_size():
+    one = epoch_rows(ResumableSampler(21, batch_size=4, seed=0, rank=0, world_size=1))
+    ranks = [epoch_rows(ResumableSampler(21, batch_size=2, seed=0, rank=r, world_size=2)) for r in (0, 1)]
+    assert len(one) == 20 and len(ranks[0]) == len(ranks[1]) == 10
+    for step in range(5):  # global batch k: the same four rows either way
+        assert sorted(one[4 * step : 4 * step + 4]) == sorted(
+            ranks[0][2 * step : 2 * step + 2] + ranks[1][2 * step : 2 * step + 2]
+        )
+    # two ranks after 3 steps -> one rank with the same global batch: the rest of the epoch, once each
+    two = ResumableSampler(21, batch_size=2, seed=0, rank=0, world_size=2)
+    two.advance(3)
+    resumed = ResumableSampler(21, batch_size=4, seed=0, rank=0, world_size=1)
+    resumed.load_state_dict(two.state_dict())
+    assert epoch_rows(resumed) == one[12:]
+    with pytest.raises(ValueError, match="do not fill one batch"):
+        len(ResumableSampler(3, batch_size=2, rank=0, world_size=2))

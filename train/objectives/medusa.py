@@ -1,0 +1,111 @@
+"""Medusa objective: the heads of ``drafts/medusa.py`` trained on the target's last-layer features.
+
+Alignment. Head i at position t reads the target's (normed) last hidden state at t and stands in for
+target position t+1+i: it is scored against the target's next-token distribution there (soft CE on
+the teacher's top-k, renormalised; the default) or against the data token t+2+i (``hard_labels``).
+It counts iff token t is real and token t+2+i is a learnt token (``loss_mask``); each head's loss is
+a mean over its counted positions, weighted ``head_decay ** i`` (later heads are harder and matter
+less: they only count when every earlier head was right).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.drafts.medusa import MedusaConfig, MedusaHeads
+from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.objectives.eagle import shift_left, soft_topk_cross_entropy, step_valid_masks
+from draftsmith.train.registry import check_options, register_objective
+
+
+def teacher_greedy(teacher: Teacher) -> torch.Tensor:
+    """The target's greedy next token [B, T] from its top-k."""
+    best = teacher.topk_logits.argmax(-1, keepdim=True)
+    return teacher.topk_ids.gather(-1, best).squeeze(-1)
+
+
+def _mean(values: torch.Tensor) -> torch.Tensor:
+    return values.sum() / max(values.numel(), 1)
+
+
+class MedusaObjective(Objective):
+    """Medusa heads + per-head (soft or hard) cross-entropy; see the module docstring."""
+
+    kind = "medusa"
+
+    def __init__(
+        self,
+        target,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        shared_lm_head: bool = False,
+        hard_labels: bool = False,
+        teacher_topk: int = 64,
+        head_decay: float = 0.8,
+    ):
+        """``hard_labels``: CE on the data's tokens instead of the teacher's top-k (which then only
+        needs the target's greedy token, for the accuracy logs and the simulated acceptance)."""
+        self.target = target
+        self.config = MedusaConfig.for_target(target, num_heads, num_layers, shared_lm_head)
+        self.capture_layers = tuple(self.config.capture_layer_ids)
+        self.hard_labels = bool(hard_labels)
+        self.teacher_topk = 1 if self.hard_labels else int(teacher_topk)
+        if self.teacher_topk < 1:
+            raise ValueError(f"teacher_topk must be >= 1, got {teacher_topk}")
+        self.head_weights = [head_decay**i for i in range(num_heads)]
+
+    def build_draft(self) -> MedusaHeads:
+        heads = MedusaHeads(copy.deepcopy(self.config))
+        heads.init_from_target(self.target.model)
+        return heads
+
+    def loss(self, draft: nn.Module, batch: Batch, teacher: Teacher) -> dict[str, torch.Tensor]:
+        valid = step_valid_masks(batch, len(self.head_weights))  # [N, B, T]
+        logits = draft(teacher.features[self.capture_layers[0]], logit_masks=valid)
+        greedy = teacher_greedy(teacher)
+        total = logits[0].new_zeros((), dtype=torch.float32)
+        logs: dict[str, torch.Tensor] = {}
+        for i, (weight, head_logits) in enumerate(zip(self.head_weights, logits)):
+            sel = valid[i]
+            if self.hard_labels:
+                labels = shift_left(batch.input_ids, 2 + i)[sel]
+                ce = F.cross_entropy(head_logits.float(), labels, reduction="none")
+            else:
+                ids = shift_left(teacher.topk_ids, 1 + i)[sel]
+                ce, _ = soft_topk_cross_entropy(head_logits, shift_left(teacher.topk_logits, 1 + i)[sel], ids)
+            head_loss = _mean(ce)
+            total = total + weight * head_loss
+            logs[f"ce_{i}"] = head_loss.detach()
+            logs[f"acc_{i}"] = _mean((head_logits.argmax(-1) == shift_left(greedy, 1 + i)[sel]).float())
+        logs["tokens"] = valid[0].sum().float()
+        return {"loss": total, **logs}
+
+    @torch.no_grad()
+    def acceptance(self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
+        """Greedy chain acceptance at every counted anchor with k real tokens after it: accepted length =
+        leading heads whose argmax equals the target's greedy token at their position (at most num_heads).
+        Teacher forcing on the data equals decoding exactly where the data follows the target's greedy path."""
+        real = batch.attention_mask.bool()
+        anchors = step_valid_masks(batch, 1)[0] & shift_left(real, k)
+        n = min(k, len(self.head_weights))
+        if n < 1:
+            return torch.bincount(torch.zeros(int(anchors.sum()), dtype=torch.long), minlength=k + 1).cpu()
+        logits = draft(
+            teacher.features[self.capture_layers[0]], logit_masks=anchors.expand(n, *anchors.shape)
+        )
+        greedy = teacher_greedy(teacher)
+        matches = torch.stack(
+            [head.argmax(-1) == shift_left(greedy, 1 + j)[anchors] for j, head in enumerate(logits)], dim=-1
+        )  # [N, n]
+        accepted = matches.long().cumprod(-1).sum(-1)
+        return torch.bincount(accepted, minlength=k + 1).cpu()
+
+
+@register_objective("medusa")
+def _build(target, options: dict, token_counts=None) -> MedusaObjective:
+    check_options(MedusaObjective, "medusa", options)
+    return MedusaObjective(target, **options)

@@ -1,0 +1,84 @@
+"""The registry of draft kinds for the one training loop: ``draft.kind`` → the objective that trains it.
+
+A kind's module registers a factory with ``@register_objective(kind)``; ``build_objective`` imports
+the module on first use (``_PROVIDERS``), so reading or checking a config never imports torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from draftsmith.decode.target import Target
+    from draftsmith.train.objective import Objective
+
+
+def unknown_key(key: str, valid: list[str], where: str) -> ValueError:
+    """A ValueError naming an unknown key, the closest valid one and all valid ones."""
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ValueError(f"unknown key {key!r} in {where}.{hint} Valid keys: {', '.join(valid)}")
+
+
+ObjectiveFactory = Callable[["Target", dict[str, Any], "torch.Tensor | None"], "Objective"]
+"""``(target, draft.options, token_counts or None) -> Objective``."""
+
+_OBJECTIVES: dict[str, ObjectiveFactory] = {}
+# the module that registers each kind with @register_objective, imported on first use so that
+# reading a config never imports torch
+_PROVIDERS: dict[str, str] = {
+    "distill": "draftsmith.train.objectives.distill",
+    "eagle1": "draftsmith.train.objectives.eagle",
+    "eagle3": "draftsmith.train.objectives.eagle",
+    "medusa": "draftsmith.train.objectives.medusa",
+}
+
+
+def register_objective(kind: str) -> Callable[[ObjectiveFactory], ObjectiveFactory]:
+    """Decorator: make ``draft.kind: <kind>`` build its objective with this factory."""
+
+    def wrap(factory: ObjectiveFactory) -> ObjectiveFactory:
+        _OBJECTIVES[kind] = factory
+        return factory
+
+    return wrap
+
+
+def objective_kinds() -> list[str]:
+    return sorted(set(_OBJECTIVES) | set(_PROVIDERS))
+
+
+def build_objective(kind: str, target: Target, options: dict[str, Any], token_counts=None) -> Objective:
+    """Build the objective for a draft kind (importing the module that provides it on first use)."""
+    if kind not in _OBJECTIVES and kind in _PROVIDERS:
+        importlib.import_module(_PROVIDERS[kind])
+    if kind not in _OBJECTIVES:
+        raise unknown_key(kind, objective_kinds(), "draft.kind (no such draft kind)")
+    return _OBJECTIVES[kind](target, dict(options), token_counts)
+
+
+def check_options(cls: type, kind: str, options: dict[str, Any]) -> None:
+    """Refuse ``draft.options`` keys that ``cls``'s constructor does not take, naming the valid ones."""
+    accepted = _constructor_options(cls)
+    for key in options:
+        if accepted is not None and key not in accepted:
+            raise unknown_key(f"draft.options.{key}", sorted(accepted), f"draft.options of kind {kind!r}")
+
+
+def _constructor_options(cls: type) -> set[str] | None:
+    """Keyword options a class's constructor takes, following ``**options`` up the MRO (None = unknown)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        params = list(inspect.signature(vars(klass)["__init__"]).parameters.values())[2:]  # self, target
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return names - {"token_counts", "preset"}
+    return None
