@@ -103,24 +103,43 @@ def resolve_model_path(spec: str) -> tuple[str, str]:
         if not path.exists():
             raise FileNotFoundError(f"GGUF file {spec} does not exist")
         return str(convert_gguf(path)), path.stem
-    return spec, spec
+    from draftsmith.hub import resolve_pretrained
+
+    return resolve_pretrained(spec, what="target"), spec  # a Hub id becomes its local snapshot
 
 
-def load_causal_lm(spec: str, device: str | torch.device = "auto", dtype: str | torch.dtype = "float32"):
-    """Load (model, tokenizer, display name) for any spec resolve_model_path understands."""
+def load_causal_lm(
+    spec: str,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "float32",
+    device_map: str | None = None,
+):
+    """Load (model, tokenizer, display name) for any spec resolve_model_path understands.
+
+    ``device_map``: None loads then moves the model to ``device``; "device" loads the weights straight
+    onto ``device`` and "auto" spreads them over the visible GPUs (accelerate), both without first
+    materialising the model in host memory (transformers initialises it on the meta device).
+    """
     path, name = resolve_model_path(spec)
     if not Path(path).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
         raise FileNotFoundError(f"{spec!r} is neither a local path nor available offline (HF_HUB_OFFLINE=1)")
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    placement = {}
+    if device_map == "device":
+        placement = {"device_map": {"": dev}}
+    elif device_map is not None:
+        placement = {"device_map": device_map}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype), **placement)
     except OSError as err:
         raise FileNotFoundError(
             f"cannot load {spec!r}: not a local directory or .gguf file, and not downloadable as a Hub id "
             f"({err.__class__.__name__}: {str(err).splitlines()[0]})"
         ) from err
-    dev = device if isinstance(device, torch.device) else resolve_device(device)
-    model.to(dev).eval().requires_grad_(False)
+    if not placement:
+        model.to(dev)
+    model.eval().requires_grad_(False)
     return model, tokenizer, name
 
 
@@ -212,11 +231,25 @@ class Target:
         return 0 if self.cache is None else self.cache.get_seq_length()
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor) -> TargetStep:
-        """Append input_ids [S] after the cached prefix; logits [S, V] and captured features for them."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | dict | None = None,
+    ) -> TargetStep:
+        """Append input_ids [S] after the cached prefix; logits [S, V] and captured features for them.
+
+        Tree verification passes ``position_ids`` [1, S] and a 4-D ``attention_mask`` (or one per
+        layer type, {type: mask}); a chain step passes neither (causal after the prefix).
+        """
         if self.cache is None:
             self.reset()
-        out = self.model(input_ids=input_ids.view(1, -1), cache=self.cache, use_cache=True)
+        extra = {}
+        if position_ids is not None:
+            extra["position_ids"] = position_ids
+        if attention_mask is not None:
+            extra["attention_mask"] = attention_mask
+        out = self.model(input_ids=input_ids.view(1, -1), cache=self.cache, use_cache=True, **extra)
         features = {i: self._captured[i][0] for i in self._capture_ids} if self._capture_ids else None
         return TargetStep(out.logits[0].float(), features)
 
@@ -234,6 +267,9 @@ def rollback_cache(cache: DynamicCache | None, length: int) -> None:
         cache.crop(-extra)
 
 
-def load_target(spec: str, device: str = "auto", dtype: str = "float32") -> Target:
-    model, tokenizer, name = load_causal_lm(spec, device, dtype)
+def load_target(
+    spec: str, device: str = "auto", dtype: str = "float32", device_map: str | None = None
+) -> Target:
+    """A frozen target; ``device_map`` as in ``load_causal_lm`` (for targets too large for host memory)."""
+    model, tokenizer, name = load_causal_lm(spec, device, dtype, device_map)
     return Target(model, tokenizer, name)

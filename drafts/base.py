@@ -28,6 +28,7 @@ from draftsmith.decode.sampling import Sampling
 
 if TYPE_CHECKING:
     from draftsmith.decode.target import Target
+    from draftsmith.decode.tree import DraftTree, TreeSpec
 
 
 @dataclass
@@ -65,6 +66,35 @@ class Drafter(ABC):
     def commit(self, num_accepted: int, features: dict[int, torch.Tensor] | None) -> None:
         """The target kept the first ``num_accepted`` tokens of the last proposal; roll back the rest."""
 
+    # -- tree drafting (optional; decode/tree_decode.py) -------------------------------------------
+
+    @property
+    def supports_tree(self) -> bool:
+        """Whether ``propose_tree`` is implemented (``--tree`` in ``draftsmith eval`` needs it)."""
+        return type(self).propose_tree is not Drafter.propose_tree
+
+    def propose_tree(
+        self, tokens: torch.Tensor, spec: TreeSpec, sampling: Sampling, generator: torch.Generator | None
+    ) -> DraftTree:
+        """Draft a token tree rooted at ``tokens[-1]`` no deeper than ``spec.depth`` (``decode/tree.py``).
+
+        Sibling sets must be chosen deterministically given the context (e.g. the draft's top-k): the
+        lossless tree sampling rule relies on it.
+        """
+        raise NotImplementedError(
+            f"drafter {self.name!r} ({type(self).__name__}) drafts chains only and cannot propose a tree; "
+            "drop --tree for it, or use a drafter that drafts trees (an EAGLE head, ngram)"
+        )
+
+    def commit_tree(self, accepted: list[int], features: dict[int, torch.Tensor] | None) -> None:
+        """The target kept the tree nodes ``accepted`` (one path from the root, root excluded).
+
+        ``features`` cover the root and the accepted nodes, in that order. The default suits drafters
+        whose state holds nothing of a proposal after ``commit`` (it forwards the count to ``commit``);
+        a drafter that keeps draft entries of the tree must override it.
+        """
+        self.commit(len(accepted), features)
+
 
 DrafterFactory = Callable[["Target", str], Drafter]
 _REGISTRY: dict[str, DrafterFactory] = {}
@@ -96,6 +126,9 @@ def build_drafter(spec: str, target: Target) -> Drafter:
     kind, _, arg = spec.partition(":")
     if kind in _REGISTRY and kind not in ("causal_lm",):
         return _REGISTRY[kind](target, arg)
+    from draftsmith.hub import resolve_pretrained
+
+    spec = resolve_pretrained(spec, what="draft")  # a Hub id becomes its local snapshot (cache first)
     kind = kind_of_checkpoint(spec)
     if kind not in _REGISTRY:
         raise ValueError(

@@ -22,7 +22,10 @@ SUBCOMMANDS = {
         "draftsmith.publish",
         "publish a draft checkpoint to the Hugging Face Hub with a model card of measured numbers",
     ),
-    "export": ("draftsmith.export", "export a draft in the layout transformers, vLLM, SGLang or llama.cpp loads"),
+    "export": (
+        "draftsmith.export",
+        "export a draft in the layout transformers, vLLM, SGLang or llama.cpp loads",
+    ),
     "quickstart": (
         "draftsmith.quickstart",
         "train an EAGLE-3 head on the bundled target and evaluate it (~10 min on a CPU)",

@@ -1,0 +1,78 @@
+"""Find what a draft checkpoint argument points at: the draft directory, its run and its recipe.
+
+``draftsmith publish`` and ``draftsmith export`` accept a training run directory (it holds ``draft/``
+and ``config.yaml``), a draft directory itself (it holds ``config.json``), or a Hub id (downloaded
+once, see ``draftsmith.hub``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith.hub import resolve_pretrained
+
+EAGLE = "eagle"
+SMALL_LM = "small_lm"
+TARGET_KEY = "draftsmith_target"  # drafts/small_lm.py records its target here
+RECIPE_FILES = ("train_config.yaml",)  # written into draft/ by the training loop
+RUN_RECIPE = "config.yaml"
+
+
+@dataclass
+class DraftCheckpoint:
+    """A draft directory, the run that produced it (if known) and what kind of draft it is."""
+
+    spec: str
+    draft_dir: Path
+    run_dir: Path | None
+    kind: str
+    """``eagle`` (an EAGLE head) or ``small_lm`` (an ordinary transformers causal LM)."""
+    config: dict
+
+    @property
+    def target(self) -> dict:
+        """The record of the target the draft was trained for (name, sizes, tokenizer fingerprint)."""
+        key = "target" if self.kind == EAGLE else TARGET_KEY
+        return dict(self.config.get(key) or {})
+
+    @property
+    def preset(self) -> str | None:
+        return self.config.get("preset") if self.kind == EAGLE else None
+
+    def recipe_path(self) -> Path | None:
+        """The training recipe: ``draft/train_config.yaml`` (resolved), else ``<run>/config.yaml``."""
+        for name in RECIPE_FILES:
+            if (self.draft_dir / name).is_file():
+                return self.draft_dir / name
+        if self.run_dir is not None and (self.run_dir / RUN_RECIPE).is_file():
+            return self.run_dir / RUN_RECIPE
+        return None
+
+
+def locate_checkpoint(spec: str) -> DraftCheckpoint:
+    """Resolve ``spec`` (run dir, draft dir or Hub id) to a ``DraftCheckpoint``; clear errors otherwise."""
+    path = Path(resolve_pretrained(spec, what="checkpoint"))
+    if not path.exists():
+        raise FileNotFoundError(
+            f"checkpoint {spec!r} does not exist (pass a run directory or a draft directory)"
+        )
+    if (path / "config.json").is_file():
+        draft_dir = path
+        run_dir = path.parent if (path.parent / RUN_RECIPE).is_file() else None
+    elif (path / "draft" / "config.json").is_file():
+        draft_dir, run_dir = path / "draft", path
+    else:
+        raise FileNotFoundError(
+            f"{spec!r} holds no draft: expected config.json in it (a draft directory) or draft/config.json "
+            "(a `draftsmith train` run directory). Has the run validated at least once?"
+        )
+    config = json.loads((draft_dir / "config.json").read_text())
+    kind = EAGLE if config.get("draftsmith_kind") == EAGLE else SMALL_LM
+    if kind == SMALL_LM and config.get("draftsmith_kind"):
+        raise ValueError(
+            f"{draft_dir} is a draftsmith checkpoint of kind {config['draftsmith_kind']!r}, which publish/export "
+            "do not handle (they handle EAGLE heads and ordinary causal-LM drafts)"
+        )
+    return DraftCheckpoint(spec, draft_dir, run_dir, kind, config)

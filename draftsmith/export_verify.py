@@ -1,0 +1,314 @@
+"""Check an exported folder against what the engine's loader reads; refuse what it would skip or guess.
+
+The expectations are written down here from the loaders' source (versions in docs/EXPORT.md), not
+derived from the exporter, so a mistake in the exporter shows up as a failed check:
+
+- EAGLE-3 for vLLM / SGLang: the exact weight names and shapes ``load_weights`` maps (a name it does
+  not know crashes vLLM and is silently skipped by SGLang), every config field the model is built
+  from (one left out is filled with a default: a guess), the auxiliary layer ids in that engine's
+  convention, and ``d2t`` as offsets that agree with ``t2d``.
+- EAGLE heads for transformers (``hf``) and distilled drafts: a strict ``from_pretrained`` (no missing,
+  unexpected or mis-shaped weights) plus the draft's vocabulary against its target's.
+- GGUF: see ``draftsmith.gguf_export.verify_gguf``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+ENGINES = ("hf", "vllm", "sglang", "gguf")
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+EAGLE3_REQUIRED_INTS = (
+    "hidden_size",
+    "target_hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+    "max_position_embeddings",
+    "vocab_size",
+    "draft_vocab_size",
+)
+
+# Causal-LM architectures both engines register as draft models (vLLM models/registry.py
+# _TEXT_GENERATION_MODELS, SGLang models/*.py EntryClass), for the tiny families draftsmith tests.
+DRAFT_ARCHITECTURES = {
+    "vllm": {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
+    },
+    "sglang": {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
+    },
+}
+
+
+class ExportVerificationError(ValueError):
+    """The folder is not what the engine's loader reads; the message lists every problem."""
+
+
+def _eagle3_expected_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """Weight name -> shape, as vLLM's / SGLang's llama_eagle3.py load_weights maps them."""
+    H, Ht, ffn = c["hidden_size"], c["target_hidden_size"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    return {
+        "embed_tokens.weight": (c["vocab_size"], H),
+        "fc.weight": (H, 3 * Ht),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, q),
+        "midlayer.mlp.gate_proj.weight": (ffn, H),
+        "midlayer.mlp.up_proj.weight": (ffn, H),
+        "midlayer.mlp.down_proj.weight": (H, ffn),
+        "norm.weight": (H,),
+        "lm_head.weight": (c["draft_vocab_size"], H),
+        "d2t": (c["draft_vocab_size"],),
+        "t2d": (c["vocab_size"],),
+    }
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            tensors.update({name: f.get_tensor(name) for name in f.keys()})
+    return tensors
+
+
+def _check_layer_ids(config: dict, engine: str, problems: list[str]) -> None:
+    """The aux layer ids sit where ``engine`` reads them, in its convention, and within the target."""
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if engine == "vllm":
+        ids, where, shift = top, "eagle_aux_hidden_state_layer_ids", 1
+        if nested is not None:
+            problems.append(
+                "eagle_config.eagle_aux_hidden_state_layer_ids is SGLang's field (another convention); vLLM ignores it"
+            )
+    else:
+        ids, where, shift = nested, "eagle_config.eagle_aux_hidden_state_layer_ids", 0
+        if top is not None:
+            problems.append("top-level eagle_aux_hidden_state_layer_ids is vLLM's field; SGLang ignores it")
+        if (config.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
+            problems.append(
+                "eagle_config.use_aux_hidden_state is false: SGLang would not capture the target layers"
+            )
+    if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) for i in ids):
+        problems.append(
+            f"{where} must list 3 integer layer ids (missing: the engine guesses (2, N/2, N-3)); got {ids!r}"
+        )
+        return
+    source = config.get("draftsmith_source") or {}
+    n_layers = (source.get("target") or {}).get("num_hidden_layers")
+    if n_layers is not None:
+        lo, hi = shift, n_layers - 2 + shift
+        bad = [i for i in ids if not lo <= i <= hi]
+        if bad:
+            problems.append(
+                f"{where} {bad} outside {lo}..{hi}: a {n_layers}-layer target never captures them"
+            )
+    trained = source.get("capture_layer_ids")
+    if trained is None:
+        problems.append(
+            "draftsmith_source.capture_layer_ids missing: cannot check the layer ids against the head's"
+        )
+    elif [i + shift for i in trained] != ids:
+        problems.append(
+            f"{where} is {ids} but the head was trained on layer outputs {trained} (draftsmith convention), which "
+            f"{engine} spells {[i + shift for i in trained]}"
+        )
+
+
+def _check_vocab_maps(
+    d2t: torch.Tensor, t2d: torch.Tensor, vocab: int, offsets: bool, problems: list[str]
+) -> None:
+    """d2t maps draft ids to distinct target ids (absolute or as offsets) that are exactly t2d's."""
+    if d2t.dtype not in (torch.int64, torch.int32) or t2d.dtype != torch.bool:
+        problems.append(f"d2t must be an integer tensor and t2d bool; got {d2t.dtype}, {t2d.dtype}")
+        return
+    targets = d2t.long() + (torch.arange(d2t.numel()) if offsets else 0)
+    spelled = "d2t[i] + i" if offsets else "d2t[i]"
+    if targets.numel() and (targets.min() < 0 or targets.max() >= vocab):
+        problems.append(
+            f"{spelled} leaves the target vocabulary 0..{vocab - 1} (are the ids absolute, not offsets?)"
+        )
+        return
+    if targets.unique().numel() != targets.numel():
+        problems.append(f"{spelled} maps two draft ids to one target id")
+    if not torch.equal(targets.sort().values, t2d.nonzero().flatten()):
+        problems.append(f"the target ids {spelled} do not match t2d's (offsets vs absolute ids mixed up?)")
+
+
+def verify_eagle3_engine(folder: Path, engine: str) -> list[str]:
+    """Problems an EAGLE-3 export for vLLM or SGLang has (empty list = loads as trained)."""
+    config = json.loads((folder / "config.json").read_text())
+    problems: list[str] = []
+    if config.get("architectures") != [EAGLE3_ARCHITECTURE]:
+        problems.append(
+            f"architectures must be [{EAGLE3_ARCHITECTURE!r}], got {config.get('architectures')!r}"
+        )
+    if config.get("model_type") != "llama":
+        problems.append(
+            f"model_type must be 'llama' (the draft config class), got {config.get('model_type')!r}"
+        )
+    for key in EAGLE3_REQUIRED_INTS:
+        if not isinstance(config.get(key), int):
+            problems.append(
+                f"config field {key} missing or not an integer: the loader would fall back to a default"
+            )
+    if config.get("num_hidden_layers") != 1:
+        problems.append("num_hidden_layers must be 1 (one midlayer)")
+    for key in ("rms_norm_eps", "rope_theta"):
+        if not isinstance(config.get(key), (int, float)):
+            problems.append(f"config field {key} missing: the loader would use the Llama default")
+    if config.get("hidden_act") != "silu":
+        problems.append(f"hidden_act must be 'silu', got {config.get('hidden_act')!r}")
+    if config.get("tie_word_embeddings") is not False:
+        problems.append(
+            "tie_word_embeddings must be false (SGLang would read the draft vocabulary off the embeddings)"
+        )
+    for key in ("attention_bias", "mlp_bias", "bias"):
+        if config.get(key):
+            problems.append(f"{key} is true, but the head has no biases")
+    if engine == "vllm" and config.get("norm_before_residual") is not False:
+        problems.append(
+            "norm_before_residual must be false: the residual is the fused feature before hidden_norm"
+        )
+    _check_layer_ids(config, engine, problems)
+    if any(p.startswith("config field") for p in problems):
+        return problems
+    tensors = _read_tensors(folder)
+    if not tensors:
+        return problems + ["no *.safetensors weights"]
+    expected = _eagle3_expected_shapes(config)
+    for name in sorted(set(expected) - set(tensors)):
+        problems.append(f"weight {name} missing")
+    for name in sorted(set(tensors) - set(expected)):
+        problems.append(
+            f"weight {name} is not one the {engine} loader maps (vLLM fails on it, SGLang skips it)"
+        )
+    for name in sorted(set(expected) & set(tensors)):
+        if tuple(tensors[name].shape) != expected[name]:
+            problems.append(
+                f"weight {name} has shape {tuple(tensors[name].shape)}, expected {expected[name]}"
+            )
+    floats = {str(t.dtype) for n, t in tensors.items() if n not in ("d2t", "t2d")}
+    if len(floats) > 1:
+        problems.append(f"weights mix dtypes {sorted(floats)}")
+    if "d2t" in tensors and "t2d" in tensors and not any("d2t" in p or "t2d" in p for p in problems):
+        _check_vocab_maps(tensors["d2t"], tensors["t2d"], config["vocab_size"], True, problems)
+    return problems
+
+
+def verify_eagle_hf(folder: Path) -> list[str]:
+    """Problems an EAGLE head folder for transformers has: strict from_pretrained, layer ids, vocab maps."""
+    from draftsmith.drafts.eagle import EagleHead
+
+    head, info = EagleHead.from_pretrained(str(folder), output_loading_info=True)
+    problems = [
+        f"{kind} weights: {sorted(names)}" for kind, names in info.items() if names and kind != "error_msgs"
+    ]
+    problems += [str(m) for m in info.get("error_msgs") or []]
+    cfg = head.config
+    n_layers = (cfg.target or {}).get("num_hidden_layers")
+    if n_layers is None:
+        problems.append("config.target records no target layer count")
+    elif any(not 0 <= i < n_layers for i in cfg.capture_layer_ids):
+        problems.append(f"capture_layer_ids {cfg.capture_layer_ids} outside 0..{n_layers - 1}")
+    if cfg.preset == "eagle3":
+        _check_vocab_maps(head.d2t, head.t2d, cfg.vocab_size, False, problems)
+    return problems
+
+
+def verify_causal_lm(folder: Path, engine: str) -> list[str]:
+    """Problems a distilled draft folder has for transformers (``hf``), vLLM or SGLang as a draft model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((folder / "config.json").read_text())
+    problems: list[str] = []
+    arch = (config.get("architectures") or [None])[0]
+    if not list(folder.glob("*.safetensors")):
+        problems.append("no *.safetensors weights")
+    if engine in DRAFT_ARCHITECTURES and arch not in DRAFT_ARCHITECTURES[engine]:
+        problems.append(f"architecture {arch!r} is not one {engine} loads as a draft model here")
+    if engine != "hf" and (folder / "adapter_config.json").exists():
+        problems.append(
+            f"a LoRA adapter is stored beside the base weights; {engine} would skip it (save with merge)"
+        )
+    if problems:
+        return problems
+    model, info = AutoModelForCausalLM.from_pretrained(str(folder), output_loading_info=True)
+    problems += [
+        f"{kind} weights: {sorted(names)}" for kind, names in info.items() if names and kind != "error_msgs"
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if len(tokenizer) > vocab:
+        problems.append(f"the tokenizer has {len(tokenizer)} tokens but the model scores only {vocab}")
+    target_vocab = (config.get("draftsmith_target") or {}).get("vocab_size")
+    if target_vocab is not None and target_vocab != vocab:
+        problems.append(
+            f"vocabulary {vocab} differs from the target's {target_vocab}: the engine refuses the pair"
+        )
+    return problems
+
+
+def verify_export(folder: str | Path, engine: str) -> list[str]:
+    """Check ``folder`` as an export for ``engine``; return what was checked, raise with every problem."""
+    folder = Path(folder)
+    if engine == "gguf":
+        from draftsmith.gguf_export import verify_gguf
+
+        problems = verify_gguf(folder)
+        kind = "GGUF file"
+    else:
+        if not (folder / "config.json").is_file():
+            raise ExportVerificationError(f"{folder} has no config.json; it is not an export")
+        config = json.loads((folder / "config.json").read_text())
+        if config.get("architectures") == [EAGLE3_ARCHITECTURE] or "draftsmith_source" in config:
+            if engine == "hf":
+                problems = [
+                    f"{folder} is an engine-layout EAGLE-3 export; export with --to hf for transformers"
+                ]
+            else:
+                problems = verify_eagle3_engine(folder, engine)
+            kind = "EAGLE-3 head"
+        elif config.get("draftsmith_kind") == "eagle":
+            problems = (
+                verify_eagle_hf(folder)
+                if engine == "hf"
+                else [
+                    f"{folder} is draftsmith's transformers layout, not {engine}'s; export it with --to {engine}"
+                ]
+            )
+            kind = "EAGLE head"
+        else:
+            problems = verify_causal_lm(folder, engine)
+            kind = "causal-LM draft"
+    if problems:
+        raise ExportVerificationError(
+            f"{folder} is not a valid {engine} export:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+    return [f"{kind} in {folder} matches what the {engine} loader reads"]

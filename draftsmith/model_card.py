@@ -1,0 +1,319 @@
+"""The published model card: YAML metadata, the measured numbers of an eval report, recipe and usage.
+
+Which eval report belongs to a checkpoint (``find_report``): ``--report PATH`` when given, else every
+``report.json`` under the run directory (and the draft directory) whose drafts include this
+checkpoint, newest first. A draft entry matches when its name, resolved against the directory
+``draftsmith eval`` ran in (recovered from the report's ``settings.out``) or the current one, is the
+checkpoint's draft directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from draftsmith.draft_checkpoint import EAGLE, DraftCheckpoint
+from draftsmith.hub import HUB_ID
+
+KNOWN_TARGETS = {"smollm2-135m-instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")}
+"""Target aliases draftsmith knows → (Hub id, license)."""
+PLOT_NAME = "acceptance.png"
+
+
+@dataclass
+class EvalReport:
+    path: Path
+    report: dict
+    entry: dict
+    """The report's draft entry for this checkpoint."""
+
+
+def _eval_cwd(report_file: Path, report: dict) -> Path | None:
+    """The directory ``draftsmith eval`` ran in, from where its ``--out`` landed."""
+    out = Path(str((report.get("settings") or {}).get("out") or ""))
+    folder = report_file.parent.resolve()
+    if out.is_absolute():
+        return None
+    parts = [p for p in out.parts if p not in (".", "")]
+    if parts and list(folder.parts[-len(parts) :]) == parts:
+        return Path(*folder.parts[: -len(parts)])
+    return None
+
+
+def _matching_entry(report_file: Path, report: dict, draft_dir: Path) -> dict | None:
+    want = draft_dir.resolve()
+    bases = [b for b in (_eval_cwd(report_file, report), Path.cwd()) if b is not None]
+    for entry in report.get("drafts") or []:
+        name = Path(str(entry.get("name", "")))
+        candidates = [name] if name.is_absolute() else [base / name for base in bases]
+        if any(c.exists() and c.resolve() == want for c in candidates):
+            return entry
+    return None
+
+
+def find_report(ckpt: DraftCheckpoint, report: str | None = None) -> EvalReport | None:
+    """The latest eval report that measured ``ckpt`` (see the module docstring); None if there is none."""
+    if report is not None:
+        file = Path(report) / "report.json" if Path(report).is_dir() else Path(report)
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"--report {report}: no report.json there (run `draftsmith eval --out DIR` first)"
+            )
+        data = json.loads(file.read_text())
+        entry = _matching_entry(file, data, ckpt.draft_dir)
+        if entry is None:
+            names = [d.get("name") for d in data.get("drafts") or []]
+            raise ValueError(
+                f"{file} measured drafts {names}, none of which is {ckpt.draft_dir}; pass the report of an eval "
+                f"run with --draft {ckpt.draft_dir}"
+            )
+        return EvalReport(file, data, entry)
+    roots = {ckpt.draft_dir.resolve()}
+    roots.add((ckpt.run_dir or ckpt.draft_dir.parent).resolve())
+    patterns = ["report.json", "*/report.json", "*/*/report.json", "*/*/*/report.json"]  # bounded depth
+    files = {f for root in roots for pattern in patterns for f in root.glob(pattern)}
+    for file in sorted(files, key=lambda f: f.stat().st_mtime, reverse=True):
+        try:
+            data = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        entry = _matching_entry(file, data, ckpt.draft_dir)
+        if entry is not None:
+            return EvalReport(file, data, entry)
+    return None
+
+
+def base_model_of(ckpt: DraftCheckpoint, given: str | None) -> str:
+    """The Hub id of the draft's target (``base_model``): --base-model, a known alias, or the recorded Hub id."""
+    if given:
+        return given
+    name = str(ckpt.target.get("name") or "")
+    if name in KNOWN_TARGETS:
+        return KNOWN_TARGETS[name][0]
+    if HUB_ID.match(name) and not Path(name).exists():
+        return name
+    raise ValueError(
+        f"the draft's target is recorded as {name!r}, which is not a Hub id; pass --base-model ORG/NAME (the "
+        "target's id on the Hub, written as base_model in the card)"
+    )
+
+
+def license_of(ckpt: DraftCheckpoint, given: str | None) -> str:
+    if given:
+        return given
+    name = str(ckpt.target.get("name") or "")
+    if name in KNOWN_TARGETS:
+        return KNOWN_TARGETS[name][1]
+    raise ValueError("pass --license (e.g. apache-2.0): a draft usually follows its target's license")
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def metrics_section(ev: EvalReport, plot: str | None) -> list[str]:
+    """τ, α, speedup and exactness overall and per category, per-position acceptance, settings, hardware."""
+    r, d = ev.report, ev.entry
+    s = r.get("settings") or {}
+    lines = [
+        "## Measured speed-up",
+        "",
+        f"Measured with `draftsmith eval` against **{r['target']}** alone, same prompts, settings and process.",
+        "",
+        "| category | τ (tokens / target forward) | α (acceptance) | speed-up | output = target's |",
+        "|---|---:|---:|---:|---|",
+    ]
+
+    def row(cat: str, m: dict) -> str:
+        exact = {True: "yes", False: "NO", None: "—"}[m.get("exact_match")]
+        return (
+            f"| {cat} | {_fmt(m.get('tau'))} | {_fmt(m.get('alpha'))} | {_fmt(m.get('speedup'))}× | {exact} |"
+        )
+
+    lines.append(row("**all**", d))
+    lines += [
+        row(cat, d["categories"][cat]) for cat in r.get("categories") or [] if cat in d.get("categories", {})
+    ]
+    per_pos = d.get("per_position") or []
+    lines += [
+        "",
+        "Per-position acceptance, P(draft token i accepted | the tokens before it accepted):",
+        "",
+        "| position | " + " | ".join(str(i + 1) for i in range(len(per_pos))) + " |",
+        "|---" * (len(per_pos) + 1) + "|",
+        "| P(accept) | " + " | ".join(_fmt(p) for p in per_pos) + " |",
+        "",
+    ]
+    if plot:
+        lines += [f"![per-position acceptance and τ by category]({plot})", ""]
+    base = r.get("baseline") or {}
+    lines += [
+        f"- draft throughput {_fmt(d.get('tokens_per_s'), '.1f')} tok/s vs target alone "
+        f"{_fmt(base.get('tokens_per_s'), '.1f')} tok/s ({d.get('new_tokens')} new tokens, "
+        f"{d.get('generations')} generations)",
+        f"- hardware: {r.get('hardware')}",
+        f"- settings: k = {s.get('k')} draft tokens per step, max new tokens = {s.get('max_new_tokens')}, "
+        f"temperature = {s.get('temperature')}, top-k = {s.get('top_k')}, top-p = {s.get('top_p')}, "
+        f"seed = {s.get('seed')}, dtype = {s.get('dtype')}",
+        f"- prompts: `{Path(str(s.get('prompts'))).name}` ({s.get('num_prompts')} prompts, order "
+        f"{s.get('order')}; categories: {', '.join(r.get('categories') or [])})",
+        "",
+    ]
+    return lines
+
+
+def usage_section(ckpt: DraftCheckpoint, repo_id: str, base_model: str) -> list[str]:
+    """How to load the draft with draftsmith, transformers, vLLM and SGLang (and llama.cpp for small Llama drafts)."""
+    k = 5
+    lines = [
+        "## How to use",
+        "",
+        "### draftsmith",
+        "",
+        "```bash",
+        f"draftsmith eval --target {base_model} --draft {repo_id} --prompts prompts.jsonl --out eval/",
+        "```",
+        "",
+    ]
+    if ckpt.kind == EAGLE:
+        lines += [
+            "### transformers",
+            "",
+            "transformers has no EAGLE-3 assistant; the head is a `PreTrainedModel` that draftsmith's decoder runs:",
+            "",
+            "```python",
+            "from draftsmith.decode.target import load_target",
+            "from draftsmith.drafts import build_drafter",
+            "from draftsmith.decode.speculative import generate",
+            "",
+            f'target = load_target("{base_model}")',
+            f'drafter = build_drafter("{repo_id}", target)',
+            "```",
+            "",
+            "### vLLM",
+            "",
+            "```bash",
+            f"draftsmith export {repo_id} --to vllm --out draft-vllm",
+            f"vllm serve {base_model} --speculative-config "
+            f'\'{{"method": "eagle3", "model": "draft-vllm", "num_speculative_tokens": {k}}}\'',
+            "```",
+            "",
+            "### SGLang",
+            "",
+            "```bash",
+            f"draftsmith export {repo_id} --to sglang --out draft-sglang",
+            f"python -m sglang.launch_server --model {base_model} --speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path draft-sglang --speculative-num-steps {k} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+            "```",
+            "",
+            "The engine exports differ only in where the auxiliary layer ids live and how they count layers; "
+            "see draftsmith's docs/EXPORT.md.",
+            "",
+        ]
+        return lines
+    lines += [
+        "### transformers (assisted generation)",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{base_model}")',
+        f'target = AutoModelForCausalLM.from_pretrained("{base_model}")',
+        f'draft = AutoModelForCausalLM.from_pretrained("{repo_id}")',
+        'inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True, '
+        'return_tensors="pt", return_dict=True)',
+        "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)",
+        "```",
+        "",
+        "### vLLM",
+        "",
+        "```bash",
+        f"vllm serve {base_model} --speculative-config "
+        f'\'{{"method": "draft_model", "model": "{repo_id}", "num_speculative_tokens": {k}}}\'',
+        "```",
+        "",
+        "### SGLang",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model {base_model} --speculative-algorithm STANDALONE "
+        f"--speculative-draft-model-path {repo_id} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+        f"--speculative-num-draft-tokens {k + 1}",
+        "```",
+        "",
+    ]
+    if ckpt.config.get("model_type") == "llama":
+        lines += [
+            "### llama.cpp / LM Studio",
+            "",
+            "```bash",
+            f"draftsmith export {repo_id} --to gguf --gguf-dtype q8_0 --out draft-gguf",
+            "llama-server -m target.gguf -md draft-gguf/*.gguf --draft-max 8",
+            "```",
+            "",
+        ]
+    return lines
+
+
+def render_card(
+    ckpt: DraftCheckpoint,
+    repo_id: str,
+    base_model: str,
+    license: str,
+    datasets: list[str],
+    ev: EvalReport | None,
+    plot: str | None,
+    recipe: str | None,
+) -> str:
+    """README.md: YAML metadata, then what the draft is, its measured numbers, its recipe and its usage."""
+    kind = f"EAGLE-3 head ({ckpt.preset})" if ckpt.kind == EAGLE else "distilled small draft model"
+    tags = ["speculative-decoding", "draft-model", "draftsmith"]
+    tags.append(ckpt.preset or "eagle" if ckpt.kind == EAGLE else "distillation")
+    meta: dict = {
+        "base_model": base_model,
+        "library_name": "draftsmith" if ckpt.kind == EAGLE else "transformers",
+        "license": license,
+        "tags": tags,
+        "pipeline_tag": "text-generation",
+    }
+    if datasets:
+        meta["datasets"] = datasets
+    name = repo_id.split("/")[-1]
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "", f"# {name}", ""]
+    target = ckpt.target
+    lines += [
+        f"{'An' if kind[0] in 'AEIOU' else 'A'} {kind} for speculative decoding with [{base_model}](https://huggingface.co/{base_model}), "
+        "trained with draftsmith. The draft proposes tokens; the target verifies them in one "
+        "forward pass, so greedy outputs are the target's own, token for token.",
+        "",
+        f"- target: `{target.get('name')}` ({target.get('num_hidden_layers')} layers, hidden size "
+        f"{target.get('hidden_size')}, vocabulary {target.get('vocab_size')}, tokenizer fingerprint "
+        f"`{target.get('tokenizer_fingerprint')}`)",
+    ]
+    if ckpt.kind == EAGLE:
+        c = ckpt.config
+        lines += [
+            f"- reads target layers {c.get('capture_layer_ids')} ({c.get('layer_id_convention')}: output of decoder "
+            "layer i, 0-based, before the final norm)",
+            f"- draft vocabulary: {c.get('draft_vocab_size')} of the target's {c.get('vocab_size')} tokens "
+            "(`d2t`: absolute target ids, ascending; `t2d`: mask over the target vocabulary)",
+        ]
+    else:
+        c = ckpt.config
+        lines.append(
+            f"- architecture {c.get('architectures')}, {c.get('num_hidden_layers')} layers, hidden size "
+            f"{c.get('hidden_size')}"
+        )
+    lines.append("")
+    lines += metrics_section(ev, plot) if ev else ["## Measured speed-up", "", "Not measured yet.", ""]
+    if recipe:
+        lines += ["## Training recipe", "", "```yaml", recipe.strip(), "```", ""]
+    lines += usage_section(ckpt, repo_id, base_model)
+    if ev:
+        from draftsmith.eval.report import METRICS
+
+        lines += ["## Metrics", "", "```", METRICS, "```", ""]
+    return "\n".join(lines)

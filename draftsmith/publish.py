@@ -1,0 +1,249 @@
+"""``draftsmith publish CKPT --repo-id ORG/NAME``: a self-contained Hub folder with a measured model card.
+
+The folder holds the draft as saved (safetensors weights, config with the draft-vocabulary maps inside
+EAGLE heads, tokenizer files of distilled drafts), the recipe it was trained with, the eval report
+and its acceptance plot, and README.md. It is pushed in one commit with huggingface_hub, which finds
+the token itself (HF_TOKEN, or `hf auth login`); the token is never printed nor written anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
+from draftsmith.hub import HUB_ID
+from draftsmith.model_card import PLOT_NAME, base_model_of, find_report, license_of, render_card
+
+REPORT_NAME = "eval_report.json"
+RECIPE_NAME = "train_config.yaml"
+
+DESCRIPTION = """\
+Build a self-contained folder for the Hugging Face Hub from a draft checkpoint (a `draftsmith train`
+run directory or its draft/ directory) and push it as one commit.
+
+The model card (README.md) carries YAML metadata (base_model = the target, library_name, tags,
+license, datasets), the numbers of the latest `draftsmith eval` report of this checkpoint (τ, α,
+per-position acceptance, speed-up, per category, hardware, settings, prompt set) and its plot, the
+training recipe, and how to load the draft with draftsmith, transformers, vLLM and SGLang.
+
+Which eval report: --report PATH if given; otherwise the newest report.json under the run directory
+(e.g. RUN/eval/report.json) whose measured drafts include this checkpoint's draft directory.
+
+The token comes from the usual places (HF_TOKEN, or `hf auth login`); it is never printed or written."""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the ``publish`` subcommand; ``args.func`` runs it."""
+    p = subparsers.add_parser(
+        "publish",
+        help="publish a draft checkpoint to the Hugging Face Hub with a model card of measured numbers",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "checkpoint", metavar="CKPT", help="a `draftsmith train` run directory or its draft/ directory"
+    )
+    p.add_argument(
+        "--repo-id", required=True, metavar="ORG/NAME", help="the Hub model repository (created if missing)"
+    )
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument(
+        "--revision", metavar="BRANCH", default=None, help="push to this branch (created if missing)"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build the folder and list what would be uploaded; push nothing",
+    )
+    p.add_argument(
+        "--out", metavar="DIR", default=None, help="where to build the folder (default: <run dir>/publish)"
+    )
+    p.add_argument(
+        "--report",
+        metavar="PATH",
+        default=None,
+        help="the eval report.json (or its folder) to put in the card",
+    )
+    p.add_argument(
+        "--no-eval", action="store_true", help="publish without measured numbers when no report exists"
+    )
+    p.add_argument(
+        "--base-model", metavar="ORG/NAME", default=None, help="the target's Hub id (default: from the draft)"
+    )
+    p.add_argument("--license", default=None, help="license id for the card (default: the known target's)")
+    p.add_argument(
+        "--datasets", metavar="ID,ID", default=None, help="Hub dataset ids for the card's metadata"
+    )
+    p.add_argument("--commit-message", default=None, help="default: 'Upload <kind> draft with draftsmith'")
+    p.set_defaults(func=run)
+    return p
+
+
+def recipe_datasets(recipe: dict | None) -> list[str]:
+    """Hub dataset ids among the recipe's data paths (local files are described in the card, not listed)."""
+    paths = ((recipe or {}).get("data") or {}).get("paths") or []
+    return [
+        p
+        for p in paths
+        if isinstance(p, str) and HUB_ID.match(p) and not Path(p).suffix and not Path(p).exists()
+    ]
+
+
+def _copy_draft(ckpt: DraftCheckpoint, folder: Path) -> None:
+    if not list(ckpt.draft_dir.glob("*.safetensors")):
+        raise ValueError(
+            f"{ckpt.draft_dir} has no safetensors weights; re-save the draft with save_pretrained"
+        )
+    for file in sorted(ckpt.draft_dir.iterdir()):
+        if file.is_file() and not file.name.startswith("."):
+            shutil.copy2(file, folder / file.name)
+    recipe = ckpt.recipe_path()
+    if recipe is not None and not (folder / RECIPE_NAME).exists():
+        shutil.copy2(recipe, folder / RECIPE_NAME)
+
+
+def build_folder(
+    ckpt: DraftCheckpoint,
+    repo_id: str,
+    out: Path,
+    report: str | None = None,
+    no_eval: bool = False,
+    base_model: str | None = None,
+    license: str | None = None,
+    datasets: list[str] | None = None,
+) -> Path:
+    """Write the folder to publish into ``out`` (replaced whole, atomically); return it."""
+    import yaml
+
+    if not HUB_ID.match(repo_id) or "@" in repo_id:
+        raise ValueError(f"--repo-id {repo_id!r} is not a Hub repository id (ORG/NAME)")
+    base = base_model_of(ckpt, base_model)
+    lic = license_of(ckpt, license)
+    ev = find_report(ckpt, report)
+    if ev is None and not no_eval:
+        raise FileNotFoundError(
+            f"no eval report measured {ckpt.draft_dir}. Run `draftsmith eval --target ... --draft {ckpt.draft_dir} "
+            f"--prompts ... --out {(ckpt.run_dir or ckpt.draft_dir.parent) / 'eval'}` first, pass --report, or "
+            "--no-eval to publish without numbers"
+        )
+    recipe_path = ckpt.recipe_path()
+    recipe_text = recipe_path.read_text() if recipe_path else None
+    if datasets is None:
+        datasets = recipe_datasets(yaml.safe_load(recipe_text) if recipe_text else None)
+
+    _check_out(out, ckpt)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    os.chmod(tmp, 0o755)
+    try:
+        _copy_draft(ckpt, tmp)
+        plot = None
+        if ev is not None:
+            (tmp / REPORT_NAME).write_text(json.dumps(ev.report, indent=2, ensure_ascii=False) + "\n")
+            if (ev.path.parent / PLOT_NAME).is_file():
+                shutil.copy2(ev.path.parent / PLOT_NAME, tmp / PLOT_NAME)
+            else:
+                from draftsmith.eval.plots import plot_report
+
+                plot_report({**ev.report, "drafts": [ev.entry]}, tmp / PLOT_NAME)
+            plot = PLOT_NAME
+        card = render_card(ckpt, repo_id, base, lic, datasets, ev, plot, recipe_text)
+        (tmp / "README.md").write_text(card)
+        check_no_token(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _check_out(out: Path, ckpt: DraftCheckpoint) -> None:
+    """Only a previous publish folder may be replaced; never the checkpoint or anything around it."""
+    resolved = out.resolve()
+    draft = ckpt.draft_dir.resolve()
+    if resolved == draft or resolved in draft.parents:
+        raise ValueError(f"--out {out} would replace the checkpoint itself; pass a new folder")
+    readme = out / "README.md"
+    if out.exists() and any(out.iterdir()) and not (readme.is_file() and "draftsmith" in readme.read_text()):
+        raise ValueError(f"--out {out} exists and is not a draftsmith publish folder; pass a new folder")
+
+
+def check_no_token(folder: Path) -> None:
+    """Refuse to publish a folder in which the Hugging Face token appears (the token is never shown)."""
+    from huggingface_hub import get_token
+
+    token = get_token()
+    if not token:
+        return
+    needle = token.encode()
+    for file in folder.rglob("*"):
+        if file.is_file() and needle in file.read_bytes():
+            raise ValueError(
+                f"{file.name} contains your Hugging Face token; remove it from the checkpoint first"
+            )
+
+
+def upload_files(folder: Path) -> list[Path]:
+    """Every file of the folder, relative to it, in upload order."""
+    return sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file())
+
+
+def push_folder(
+    folder: Path, repo_id: str, private: bool = False, revision: str | None = None, message: str | None = None
+) -> str:
+    """Create the repo (and branch) if needed and upload every file of ``folder`` in one commit; return its URL."""
+    from huggingface_hub import CommitOperationAdd, HfApi, get_token
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if get_token() is None:
+        raise ValueError(
+            "no Hugging Face token found: run `hf auth login` or set HF_TOKEN, then publish again"
+        )
+    api = HfApi()
+    operations = [
+        CommitOperationAdd(path_in_repo=p.as_posix(), path_or_fileobj=str(folder / p))
+        for p in upload_files(folder)
+    ]
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision and revision != "main":
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        info = api.create_commit(
+            repo_id,
+            operations=operations,
+            commit_message=message or "Upload draft with draftsmith",
+            revision=revision,
+        )
+    except (HfHubHTTPError, OSError) as err:
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise ValueError(
+            f"could not push to {repo_id} on the Hugging Face Hub ({type(err).__name__}: {first})"
+        ) from err
+    return getattr(info, "commit_url", None) or f"https://huggingface.co/{repo_id}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the folder; list it (--dry-run) or push it."""
+    ckpt = locate_checkpoint(args.checkpoint)
+    out = Path(args.out) if args.out else (ckpt.run_dir or ckpt.draft_dir.parent) / "publish"
+    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()] if args.datasets else None
+    folder = build_folder(
+        ckpt, args.repo_id, out, args.report, args.no_eval, args.base_model, args.license, datasets
+    )
+    where = f"{args.repo_id}{' (private)' if args.private else ''}{f' @ {args.revision}' if args.revision else ''}"
+    files = upload_files(folder)
+    print(f"{'would upload' if args.dry_run else 'uploading'} {len(files)} files from {folder} to {where}:")
+    for path in files:
+        print(f"  {path}  ({(folder / path).stat().st_size:,} bytes)")
+    if args.dry_run:
+        return 0
+    message = args.commit_message or f"Upload {ckpt.preset or 'distilled'} draft with draftsmith"
+    print(f"pushed: {push_folder(folder, args.repo_id, args.private, args.revision, message)}")
+    return 0
