@@ -3,7 +3,8 @@
 One loop serves every drafter and the plain autoregressive baseline (``drafter=None`` or
 ``k=0``): each step drafts up to k tokens, runs the target once over ``[last token] + drafts``,
 keeps the accepted prefix plus one target token, and rolls both KV caches back to the accepted
-length. The prefix is never recomputed.
+length. The prefix is never recomputed. ``k="auto"`` (or a ``CostModel``) picks k per step from
+measured acceptance and costs (``decode/cost_model.py``); ``k = 0`` steps are plain decoding.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.decode.cost_model import CostModel
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.target import Target
 from draftsmith.decode.verify import verify_greedy, verify_sampled
@@ -33,6 +35,8 @@ class GenerationResult:
     verify_seconds: float = 0.0
     seconds: float = 0.0
     stopped_by: str = "length"
+    chosen_k: list[int] = field(default_factory=list)
+    """The k asked of the drafter at each verify step (fixed, or the cost model's pick), capped by the budget."""
 
 
 def _sync(device: torch.device) -> None:
@@ -47,21 +51,50 @@ def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator |
 
 
 GREEDY = Sampling()
+KPolicy = int | str | CostModel
+"""A fixed k (0 = plain decoding), ``"auto"`` (a fresh CostModel per call) or a CostModel kept across calls."""
+
+
+def resolve_k(k: KPolicy) -> tuple[int, CostModel | None]:
+    """(fixed k, None) or (0, the cost model that chooses k per step)."""
+    if isinstance(k, CostModel):
+        return 0, k
+    if k == "auto":
+        return 0, CostModel()
+    if isinstance(k, int) and not isinstance(k, bool) and k >= 0:
+        return k, None
+    raise ValueError(f"k must be an integer >= 0, 'auto' or a CostModel, got {k!r}")
 
 
 @torch.inference_mode()
+def commit_tokens(result: GenerationResult, tokens: torch.Tensor, new: list[int], eos_ids) -> torch.Tensor:
+    """Append a step's accepted tokens (cut after the first EOS, which ends the generation) to
+    ``result`` and to the committed ``tokens``; returns the new committed tokens."""
+    for pos, tok in enumerate(new):
+        if tok in eos_ids:
+            new = new[: pos + 1]
+            result.stopped_by = "eos"
+            break
+    result.tokens.extend(new)
+    return torch.cat([tokens, torch.tensor(new, device=tokens.device)])
+
+
 def generate(
     target: Target,
     prompt: torch.Tensor,
     drafter: Drafter | None = None,
-    k: int = 5,
+    k: KPolicy = 5,
     max_new_tokens: int = 256,
     sampling: Sampling = GREEDY,
     generator: torch.Generator | None = None,
 ) -> GenerationResult:
-    """Generate up to max_new_tokens after prompt [S] (token ids); stop after an EOS token."""
+    """Generate up to max_new_tokens after prompt [S] (token ids); stop after an EOS token.
+
+    ``k``: draft tokens per step, ``"auto"`` or a CostModel (see ``resolve_k``); ignored without a drafter.
+    """
+    k, policy = resolve_k(k)
     if drafter is None:
-        k = 0
+        k, policy = 0, None
     device = target.device
     prompt = prompt.to(device).view(-1)
     target.reset()
@@ -83,7 +116,8 @@ def generate(
         budget = max_new_tokens - len(result.tokens)
         t0 = time.perf_counter()
         # never draft past the budget: at most `budget` tokens (drafts + 1) may be committed
-        proposal = drafter.propose(tokens, min(k, budget - 1), sampling, generator) if drafter else empty
+        k_step = min(policy.choose() if policy is not None else k, budget - 1)
+        proposal = drafter.propose(tokens, k_step, sampling, generator) if drafter else empty
         _sync(device)
         t1 = time.perf_counter()
         drafted = proposal.tokens.to(device)
@@ -103,15 +137,11 @@ def generate(
         result.target_forwards += 1
         result.accepted.append(n)
         result.proposed.append(len(drafted))
+        result.chosen_k.append(k_step)
+        if policy is not None:
+            policy.record(k_step, len(drafted), n, t1 - t0, t2 - t1)
 
-        new = drafted[:n].tolist() + [nxt]
-        for pos, tok in enumerate(new):
-            if tok in target.eos_ids:
-                new = new[: pos + 1]
-                result.stopped_by = "eos"
-                break
-        result.tokens.extend(new)
-        tokens = torch.cat([tokens, torch.tensor(new, device=device)])
+        tokens = commit_tokens(result, tokens, drafted[:n].tolist() + [nxt], target.eos_ids)
         if result.stopped_by == "eos":
             break
     if first in target.eos_ids:

@@ -204,6 +204,28 @@ def ttt_attention_mask(seq_len: int, step: int, device: torch.device | None = No
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
+def copy_final_norm(model: nn.Module, norm: LlamaRMSNorm) -> bool:
+    """Copy the target's final RMSNorm into ``norm`` if a Llama RMSNorm can reproduce it; False if not.
+
+    Llama-style norms multiply by w, Gemma-style by (1 + w): a probe finds which one the target uses.
+    Shared by every head that reads the target's pre-norm hidden states (EAGLE, Medusa).
+    """
+    final_norm = getattr(model.get_decoder(), "norm", None)
+    if final_norm is None or getattr(final_norm, "weight", None) is None:
+        return False
+    with torch.no_grad():
+        probe = torch.randn(4, norm.weight.shape[0], device=final_norm.weight.device)
+        expected = final_norm(probe.to(final_norm.weight.dtype)).float()
+        tol = 1e-4 if final_norm.weight.dtype == torch.float32 else 2e-2
+        reference = LlamaRMSNorm(norm.weight.shape[0], eps=norm.variance_epsilon).to(probe.device)
+        for weight in (final_norm.weight.float(), final_norm.weight.float() + 1):
+            reference.weight.copy_(weight)
+            if torch.allclose(reference(probe), expected, rtol=tol, atol=tol):
+                norm.weight.copy_(weight)
+                return True
+    return False
+
+
 def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
     """[B, T] conversation index within each packed row: a new one starts wherever the position does
     not follow on by one (the same rule transformers applies to packed ``position_ids``)."""
@@ -291,7 +313,7 @@ class EagleHead(PreTrainedModel):
         random readout. A target whose final norm cannot be reproduced keeps EAGLE-3's fresh norm.
         """
         self.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
-        copied_norm = self._copy_final_norm(model)
+        copied_norm = copy_final_norm(model, self.norm)
         if self.config.preset == "eagle1":
             if not copied_norm:
                 raise ValueError(
@@ -302,23 +324,6 @@ class EagleHead(PreTrainedModel):
                 self.lm_head.weight.copy_(model.get_output_embeddings().weight)
         elif copied_norm:
             self.lm_head.weight.copy_(model.get_output_embeddings().weight[self.d2t])
-
-    def _copy_final_norm(self, model: nn.Module) -> bool:
-        """Copy the target's final RMSNorm into ``self.norm`` if this head's norm can reproduce it."""
-        final_norm = getattr(model.get_decoder(), "norm", None)
-        if final_norm is None or getattr(final_norm, "weight", None) is None:
-            return False
-        probe = torch.randn(4, self.config.hidden_size, device=final_norm.weight.device)
-        expected = final_norm(probe.to(final_norm.weight.dtype)).float()
-        tol = 1e-4 if final_norm.weight.dtype == torch.float32 else 2e-2
-        reference = LlamaRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps).to(probe.device)
-        # Llama-style norms multiply by w, Gemma-style by (1 + w): keep whichever reproduces the target's norm
-        for weight in (final_norm.weight.float(), final_norm.weight.float() + 1):
-            reference.weight.copy_(weight)
-            if torch.allclose(reference(probe), expected, rtol=tol, atol=tol):
-                self.norm.weight.copy_(weight)
-                return True
-        return False
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft→target id map from ``build_vocab_map`` (EAGLE-3)."""

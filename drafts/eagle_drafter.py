@@ -4,6 +4,11 @@ The drafter's KV cache holds one entry per pair (feature_t, token_{t+1}). Real p
 features; draft pairs use the head's own hidden state in place of the feature. Features of committed
 positions whose next token is not known yet wait in ``pending`` until the next ``propose``; ``commit``
 drops every draft pair and queues the real features the target just computed for the accepted tokens.
+
+Tree drafting (``propose_tree``) expands EAGLE-2-style (``decode/tree.py``): level by level, the
+``top_k`` best-scored nodes of a depth run through the head together, each attending to the real
+pairs and to its own ancestors' draft pairs (a tree mask over the head's cache). Since ``commit``
+drops all draft pairs anyway, committing a tree path is committing its length.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from transformers import DynamicCache
 
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.target import rollback_cache
+from draftsmith.decode.tree import DraftTree, TreeBuilder, TreeSpec
 from draftsmith.drafts.base import Drafter, Proposal
 
 if TYPE_CHECKING:
@@ -54,14 +60,8 @@ class EagleDrafter(Drafter):
             mask = (torch.arange(start + S, device=ids.device)[None, :] <= pos[:, None])[None, None]
         return self.head.step(feature[None], ids[None], pos[None], mask, self.cache)[0]
 
-    @torch.inference_mode()
-    def propose(
-        self, tokens: torch.Tensor, k: int, sampling: Sampling, generator: torch.Generator | None
-    ) -> Proposal:
-        if k <= 0:
-            return Proposal(tokens.new_empty(0))
-        device = self.head.d2t.device
-        tokens = tokens.to(device)
+    def _catch_up(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Cache the pending real pairs; the head's hidden state [1, H] that predicts the next token."""
         start, m = self.cached_len, self.pending.shape[0]
         next_ids = tokens[start + 1 : start + 1 + m]
         if next_ids.shape[0] != m or start + m != tokens.shape[0] - 1:
@@ -71,6 +71,16 @@ class EagleDrafter(Drafter):
             )
         hidden = self._step(self.pending, next_ids, start)[-1:]
         self.cached_len, self.pending = start + m, self.pending[:0]
+        return hidden
+
+    @torch.inference_mode()
+    def propose(
+        self, tokens: torch.Tensor, k: int, sampling: Sampling, generator: torch.Generator | None
+    ) -> Proposal:
+        if k <= 0:
+            return Proposal(tokens.new_empty(0))
+        device = self.head.d2t.device
+        hidden = self._catch_up(tokens.to(device))
         drafted, dists = [], []
         for i in range(k):
             logits = self.head.draft_logits(hidden)[-1].float()
@@ -84,9 +94,52 @@ class EagleDrafter(Drafter):
                     torch.zeros(self.head.config.vocab_size, device=device).index_copy_(0, self.head.d2t, q)
                 )
             drafted.append(self.head.d2t[draft_id])
-            if i < k - 1:
-                hidden = self._step(hidden, draft_id.view(1), self.cached_len + i)
+            if i < k - 1:  # the head embeds target ids, as in training
+                hidden = self._step(hidden, drafted[-1].view(1), self.cached_len + i)
         return Proposal(torch.stack(drafted), torch.stack(dists) if dists else None)
+
+    def _logprobs(self, hidden: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        """Draft log-confidences [m, Vd] that rank tree candidates (-inf where sampling filters a token out)."""
+        logits = self.head.draft_logits(hidden).float()
+        return logits.log_softmax(-1) if sampling.greedy else to_probs(logits, sampling).log()
+
+    @torch.inference_mode()
+    def propose_tree(
+        self, tokens: torch.Tensor, spec: TreeSpec, sampling: Sampling, generator: torch.Generator | None
+    ) -> DraftTree:
+        device = self.head.d2t.device
+        tokens = tokens.to(device)
+        hidden = self._catch_up(tokens)
+        builder = TreeBuilder(int(tokens[-1]), device)
+        root = torch.zeros(1, dtype=torch.long, device=device)
+        level = builder.add_children(root, self._logprobs(hidden, sampling), spec.top_k)
+        rows = {0: 0}  # expanded node -> its row in `hiddens` (the root's is the last real pair's)
+        hiddens, slots = hidden, []  # slots: expanded nodes, in the order of their draft pairs in the cache
+        for depth in range(1, spec.depth):
+            frontier = builder.best(level, spec.top_k).tolist()
+            if not frontier:
+                break
+            parents = builder.parents.tolist()
+            ancestors = []
+            for node in frontier:
+                chain, up = set(), parents[node]
+                while up > 0:
+                    chain.add(up)
+                    up = parents[up]
+                ancestors.append([slot in chain for slot in slots] + [n == node for n in frontier])
+            mask = torch.tensor(ancestors, dtype=torch.bool, device=device)
+            mask = torch.cat([mask.new_ones(len(frontier), self.cached_len), mask], dim=1)[None, None]
+            feature = hiddens[[rows[parents[n]] for n in frontier]]
+            ids = self.head.d2t[builder.tokens[frontier]]  # the head embeds target ids
+            pos = torch.full((1, len(frontier)), self.cached_len + depth - 1, device=device)
+            out = self.head.step(feature[None], ids[None], pos, mask, self.cache)[0]
+            rows.update({n: hiddens.shape[0] + i for i, n in enumerate(frontier)})
+            hiddens = torch.cat([hiddens, out])
+            slots += frontier
+            level = builder.add_children(
+                torch.tensor(frontier, device=device), self._logprobs(out, sampling), spec.top_k
+            )
+        return builder.build(spec.total_tokens, token_map=self.head.d2t)
 
     @torch.inference_mode()
     def commit(self, num_accepted: int, features: dict[int, torch.Tensor] | None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.decode.sampling import Sampling
+from draftsmith.decode.tree import DraftTree, TreeSpec
 from draftsmith.drafts.base import Drafter, Proposal, register
 
 
@@ -34,6 +35,30 @@ class NgramDrafter(Drafter):
     def commit(self, num_accepted: int, features: dict[int, torch.Tensor] | None) -> None:
         pass
 
+    def propose_tree(
+        self, tokens: torch.Tensor, spec: TreeSpec, sampling: Sampling, generator: torch.Generator | None
+    ) -> DraftTree:
+        seq = tokens.view(-1).cpu()
+        nodes: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        parents, toks = [-1], [int(seq[-1])]
+        for continuation in continuations(seq, spec.depth, self.max_n, self.min_n):
+            node = 0
+            for tok in continuation:
+                child = nodes.get((node, tok))
+                if child is None:
+                    siblings = sum(1 for parent, _ in nodes if parent == node)
+                    if len(toks) > spec.total_tokens or siblings >= spec.top_k:
+                        break
+                    child = nodes[(node, tok)] = len(toks)
+                    parents.append(node)
+                    toks.append(tok)
+                node = child
+            if len(toks) > spec.total_tokens:
+                break
+        return DraftTree(
+            torch.tensor(toks, device=tokens.device), torch.tensor(parents, device=tokens.device)
+        )
+
 
 def lookup(tokens: torch.Tensor, k: int, max_n: int, min_n: int = 1) -> torch.Tensor:
     """Up to k tokens that followed the latest earlier match of the last n tokens (longest n first)."""
@@ -49,6 +74,15 @@ def lookup(tokens: torch.Tensor, k: int, max_n: int, min_n: int = 1) -> torch.Te
             start = int(hits[-1]) + n
             return seq[start : start + k].to(tokens.device)
     return seq.new_empty(0).to(tokens.device)
+
+
+def continuations(seq: torch.Tensor, length: int, max_n: int, min_n: int = 1):
+    """Yield the up-to-``length`` tokens after every earlier match of the last n tokens, longest n and latest first."""
+    total = seq.shape[0]
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        windows = seq[: total - 1].unfold(0, n, 1)
+        for hit in (windows == seq[-n:]).all(-1).nonzero().view(-1).flip(0).tolist():
+            yield seq[hit + n : hit + n + length].tolist()
 
 
 @register("ngram")

@@ -76,6 +76,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--k", type=int, default=5, help="draft tokens proposed per verify step at most (default 5)"
     )
     p.add_argument(
+        "--tree",
+        default=None,
+        metavar="DEPTH,TOP_K,TOTAL",
+        help="draft token trees instead of k-token chains (EAGLE-2 dynamic trees, e.g. 5,8,48): DEPTH levels, "
+        "TOP_K children per expanded node and nodes expanded per level, TOTAL draft tokens verified per "
+        "step; --k is then unused. Every draft must draft trees (EAGLE heads, ngram)",
+    )
+    p.add_argument(
         "--temperature",
         type=float,
         default=0.0,
@@ -121,6 +129,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _check(args: argparse.Namespace) -> list[str] | None:
     """Validate what can be checked before loading any model; return the category filter."""
+    if args.tree is not None:
+        from draftsmith.decode.tree import TreeSpec
+
+        TreeSpec.parse(args.tree)
     if args.k < 1:
         raise ValueError(f"--k must be at least 1 (draft tokens per verify step), got {args.k}")
     if args.max_new_tokens < 1:
@@ -144,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     """Load prompts, target and drafts; evaluate; print the table and write the reports."""
     from draftsmith.decode.sampling import Sampling
     from draftsmith.decode.target import load_target
+    from draftsmith.decode.tree import TreeSpec
     from draftsmith.drafts import build_drafter
     from draftsmith.eval.harness import evaluate
     from draftsmith.eval.prompts import load_prompts
@@ -165,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         sampling=sampling,
         seed=args.seed,
         warmup=args.warmup,
+        tree=TreeSpec.parse(args.tree) if args.tree is not None else None,
     )
     settings = {key: value for key, value in vars(args).items() if key not in ("func", "command")}
     settings["num_prompts"] = len(prompts)

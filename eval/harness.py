@@ -4,7 +4,8 @@ The baseline is the shared decoder with no drafter (the same loop with k = 0), s
 the same overheads. Methods run interleaved prompt by prompt (baseline, draft 1, draft 2, ...), which
 spreads slow drift of the machine (thermal, other processes) evenly over them; a short untimed
 warm-up per method comes first. Each generation gets a fresh ``torch.Generator`` seeded with the
-same seed on the target's device, so sampled runs are reproducible.
+same seed on the target's device, so sampled runs are reproducible. With a ``TreeSpec`` every draft
+runs through the tree decoder (``decode/tree_decode.py``); the baseline stays the plain loop.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from tqdm.auto import tqdm
 from draftsmith.decode.sampling import Sampling
 from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import Target
+from draftsmith.decode.tree import TreeSpec
+from draftsmith.decode.tree_decode import generate_tree
 from draftsmith.drafts.base import Drafter
 from draftsmith.eval.prompts import EvalPrompt, answer_text, render
 from draftsmith.eval.stats import RunStats
@@ -64,8 +67,12 @@ def run_prompt(
     max_new_tokens: int,
     sampling: Sampling,
     seed: int,
+    tree: TreeSpec | None = None,
 ) -> tuple[list[list[int]], RunStats]:
-    """Generate an answer to every turn of ``prompt``; turn i+1 sees the method's own answer to turn i."""
+    """Generate an answer to every turn of ``prompt``; turn i+1 sees the method's own answer to turn i.
+
+    With ``tree`` a drafter proposes token trees of that shape instead of chains of k tokens.
+    """
     generator = torch.Generator(device=target.device).manual_seed(seed)
     conversation: list[dict[str, str]] = []
     outputs: list[list[int]] = []
@@ -73,11 +80,17 @@ def run_prompt(
     for turn in prompt.turns:
         conversation.append({"role": "user", "content": turn})
         ids = render(target.tokenizer, conversation)
-        result = generate(target, ids, drafter, k, max_new_tokens, sampling, generator)
+        result = _generate(target, ids, drafter, k, tree, max_new_tokens, sampling, generator)
         outputs.append(result.tokens)
         stats = stats + RunStats.from_result(result)
         conversation.append({"role": "assistant", "content": answer_text(target.tokenizer, result.tokens)})
     return outputs, stats
+
+
+def _generate(target, ids, drafter, k, tree, max_new_tokens, sampling, generator):
+    if tree is not None and drafter is not None:
+        return generate_tree(target, ids, drafter, tree, max_new_tokens, sampling, generator)
+    return generate(target, ids, drafter, k, max_new_tokens, sampling, generator)
 
 
 def warm_up(
@@ -88,13 +101,14 @@ def warm_up(
     max_new_tokens: int,
     sampling: Sampling,
     seed: int,
+    tree: TreeSpec | None = None,
 ) -> None:
     """One short untimed generation per method and prompt (first turn only): kernels, caches, allocator."""
     for prompt in prompts:
         ids = render(target.tokenizer, [{"role": "user", "content": prompt.turns[0]}])
         for _, drafter in methods:
             generator = torch.Generator(device=target.device).manual_seed(seed)
-            generate(target, ids, drafter, k, min(max_new_tokens, WARMUP_TOKENS), sampling, generator)
+            _generate(target, ids, drafter, k, tree, min(max_new_tokens, WARMUP_TOKENS), sampling, generator)
 
 
 def _short(name: str) -> str:
@@ -111,10 +125,12 @@ def evaluate(
     seed: int = 0,
     warmup: int = 1,
     progress: bool | None = None,
+    tree: TreeSpec | None = None,
 ) -> EvalResult:
     """Run the target alone and every ``(name, drafter)`` over ``prompts``; compare outputs when greedy.
 
     ``sampling``: greedy when None. ``progress``: show a tqdm bar (None = only when stderr is a terminal).
+    ``tree``: draft token trees of this shape (every drafter must support it) instead of k-token chains.
     """
     sampling = sampling if sampling is not None else Sampling()
     if not prompts:
@@ -123,14 +139,21 @@ def evaluate(
         raise ValueError(f"--k must be at least 1 (draft tokens per step), got {k}")
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if tree is not None:
+        chain_only = [name for name, drafter in drafts if not drafter.supports_tree]
+        if chain_only:
+            raise ValueError(
+                f"--tree asked for, but draft(s) {', '.join(chain_only)} draft chains only; "
+                "evaluate them in a separate run without --tree"
+            )
     methods: list[tuple[str, Drafter | None]] = [(BASELINE, None), *drafts]
     results = [MethodResult(name) for name, _ in methods]
-    warm_up(target, methods, prompts[: max(warmup, 0)], k, max_new_tokens, sampling, seed)
+    warm_up(target, methods, prompts[: max(warmup, 0)], k, max_new_tokens, sampling, seed, tree)
 
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=None if progress is None else not progress)
     for prompt in bar:
         for (_, drafter), result in zip(methods, results):
-            outputs, stats = run_prompt(target, drafter, prompt, k, max_new_tokens, sampling, seed)
+            outputs, stats = run_prompt(target, drafter, prompt, k, max_new_tokens, sampling, seed, tree)
             result.record(prompt.category, stats, outputs)
         if drafts:
             bar.set_postfix_str(

@@ -1,0 +1,195 @@
+"""Choosing k online: the k that maximises expected tokens per second, measured while decoding.
+
+The decoder tells the model what every verify step did (``record``): the k it asked for, how many
+tokens the drafter proposed, how many the target accepted, and the seconds spent drafting and
+verifying. From that it keeps
+
+- per-position acceptance: ``attempted[i]`` / ``accepted[i]`` — steps in which draft position i was
+  judged (k > i and positions 0..i-1 accepted; a token the drafter did not propose counts as
+  rejected) and steps in which it was accepted. The rate at depth i is shrunk towards the rate at
+  depth i-1 (depth 0 towards ``prior_acceptance``) by ``prior_weight`` pseudo-counts, so a depth
+  never tried starts from its shallower neighbour's rate;
+- the seconds of a draft call per asked k, and of a verify pass per number of tokens it scores
+  (n = 1 is one plain target forward: decoding without speculation), each a slowly forgetting
+  mean, interpolated linearly between measured points and extrapolated beyond them;
+- the mean number of tokens actually proposed per asked k (an n-gram drafter often finds fewer).
+
+Expected tokens per verify step for k: ``E(k) = 1 + sum_{i=1..k} prod_{j<i} a_j``; expected seconds:
+``D(k) + V(1 + m_k)``; ``k = 0`` is plain decoding (E = 1, seconds = V(1)). ``choose`` returns the
+best k, except on exploration steps, which try a neighbour of the best k (or plain decoding) so that
+a k once judged bad is measured again; the gap between exploration steps doubles while they do not
+change the answer, which bounds what exploring costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RunningMean:
+    """A mean that forgets slowly: the plain mean of the first 1/decay samples, then exponential."""
+
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, x: float, decay: float) -> None:
+        self.count += 1
+        self.value += max(1.0 / self.count, decay) * (x - self.value)
+
+
+def interpolate(points: dict[int, RunningMean], x: float, anchor: tuple[float, float] | None = None) -> float:
+    """Piecewise-linear through the measured means (plus ``anchor``), linear beyond the ends, slope >= 0.
+
+    With a single point and no anchor the value is flat (the same cost everywhere).
+    """
+    pts = sorted((float(n), m.value) for n, m in points.items() if m.count)
+    if anchor is not None and all(p[0] != anchor[0] for p in pts):
+        pts = sorted([*pts, anchor])
+    if not pts:
+        raise ValueError("no measurements to interpolate")
+    if len(pts) == 1:
+        return pts[0][1]
+    if x <= pts[0][0]:
+        (x0, y0), (x1, y1) = pts[0], pts[1]
+    elif x >= pts[-1][0]:
+        (x0, y0), (x1, y1) = pts[-2], pts[-1]
+    else:
+        i = next(i for i in range(1, len(pts)) if pts[i][0] >= x)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+    slope = max((y1 - y0) / (x1 - x0), 0.0)
+    return max(y0 + slope * (x - x0), 0.0)
+
+
+class CostModel:
+    """Online estimate of tokens/s for each k in 0..k_max, and the k to use next (see the module docstring)."""
+
+    def __init__(
+        self,
+        k_max: int = 8,
+        start_k: int = 4,
+        prior_acceptance: float = 0.5,
+        prior_weight: float = 2.0,
+        decay: float = 0.05,
+        explore_min: int = 8,
+        explore_max: int = 256,
+    ):
+        if k_max < 1:
+            raise ValueError(f"k_max must be >= 1, got {k_max}")
+        if not 0.0 <= prior_acceptance <= 1.0:
+            raise ValueError(f"prior_acceptance must be in [0, 1], got {prior_acceptance}")
+        if not 1 <= explore_min <= explore_max:
+            raise ValueError(f"need 1 <= explore_min <= explore_max, got {explore_min}, {explore_max}")
+        self.k_max = k_max
+        self.prior_acceptance, self.prior_weight, self.decay = prior_acceptance, prior_weight, decay
+        self.attempted = [0] * k_max
+        self.accepted = [0] * k_max
+        self.draft_time: dict[int, RunningMean] = {}
+        """k asked -> seconds of the draft call."""
+        self.verify_time: dict[int, RunningMean] = {}
+        """tokens scored by the verify pass (proposed + 1) -> seconds of the pass."""
+        self.proposed_len: dict[int, RunningMean] = {}
+        """k asked -> tokens the drafter actually proposed."""
+        self.steps = 0
+        self._warmup = [0, min(start_k, k_max)]  # plain cost first, then a first speculative k
+        self._explore_min, self._explore_max = explore_min, explore_max
+        self._interval = explore_min
+        self._next_explore = explore_min
+        self._explore_turn = 0
+        self._best_at_last_explore: int | None = None
+
+    # -- what was measured ----------------------------------------------------------------------
+
+    def record(
+        self, k: int, proposed: int, accepted: int, draft_seconds: float, verify_seconds: float
+    ) -> None:
+        """One verify step: asked ``k``, got ``proposed`` draft tokens, the target kept ``accepted``."""
+        if not 0 <= accepted <= proposed <= max(k, 0):
+            raise ValueError(f"need 0 <= accepted <= proposed <= k, got {accepted}, {proposed}, {k}")
+        for i in range(min(k, accepted + 1, self.k_max)):
+            self.attempted[i] += 1
+        for i in range(min(accepted, self.k_max)):
+            self.accepted[i] += 1
+        if k > 0:
+            self.draft_time.setdefault(k, RunningMean()).add(draft_seconds, self.decay)
+            self.proposed_len.setdefault(k, RunningMean()).add(proposed, self.decay)
+        self.verify_time.setdefault(proposed + 1, RunningMean()).add(verify_seconds, self.decay)
+
+    # -- the estimates --------------------------------------------------------------------------
+
+    def acceptance_rates(self) -> list[float]:
+        """``[i]`` = estimated P(draft token i accepted | tokens 0..i-1 accepted), i < k_max."""
+        rates, prior, w = [], self.prior_acceptance, self.prior_weight
+        for tried, kept in zip(self.attempted, self.accepted):
+            prior = (kept + w * prior) / (tried + w)
+            rates.append(prior)
+        return rates
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens committed per verify step with k drafts: 1 + sum over i < k of P(first i+1 accepted)."""
+        total, survive = 1.0, 1.0
+        for rate in self.acceptance_rates()[:k]:
+            survive *= rate
+            total += survive
+        return total
+
+    def draft_seconds(self, k: int) -> float:
+        """Seconds of a draft call asking k tokens (0 for k = 0; proportional to k until two ks are measured)."""
+        if k == 0 or not self.draft_time:
+            return 0.0
+        return interpolate(self.draft_time, k, anchor=(0.0, 0.0))
+
+    def verify_seconds(self, n: float) -> float | None:
+        """Seconds of a target pass scoring n tokens; None before any pass was measured."""
+        return interpolate(self.verify_time, n) if self.verify_time else None
+
+    def step_seconds(self, k: int) -> float | None:
+        """Expected seconds of one verify step with k asked: draft call + verify pass over the expected proposal."""
+        mean_proposed = self.proposed_len[k].value if k in self.proposed_len else float(k)
+        verify = self.verify_seconds(1 + (mean_proposed if k else 0.0))
+        return None if verify is None else self.draft_seconds(k) + verify
+
+    def tokens_per_second(self, k: int) -> float | None:
+        seconds = self.step_seconds(k)
+        return None if seconds is None or seconds <= 0 else self.expected_tokens(k) / seconds
+
+    def best_k(self) -> int:
+        """The k in 0..k_max with the highest expected tokens/s (the smaller k on a tie)."""
+        best, best_rate = 0, -1.0
+        for k in range(self.k_max + 1):
+            rate = self.tokens_per_second(k)
+            if rate is not None and rate > best_rate * (1 + 1e-9):
+                best, best_rate = k, rate
+        return best
+
+    # -- the policy -----------------------------------------------------------------------------
+
+    def choose(self) -> int:
+        """The k for the next verify step: warm-up (plain, then start_k), then the best k or an exploration."""
+        self.steps += 1
+        if self._warmup:
+            return self._warmup.pop(0)
+        best = self.best_k()
+        if self.steps < self._next_explore:
+            return best
+        same = best == self._best_at_last_explore
+        self._interval = min(self._interval * 2, self._explore_max) if same else self._explore_min
+        self._best_at_last_explore = best
+        self._next_explore = self.steps + self._interval
+        candidates = [c for c in dict.fromkeys((best + 1, best - 1, 0)) if 0 <= c <= self.k_max and c != best]
+        choice = candidates[self._explore_turn % len(candidates)]
+        self._explore_turn += 1
+        return choice
+
+    def summary(self) -> dict:
+        """What the model believes now, for reports: rates, costs and tokens/s per k, and the best k."""
+        return {
+            "steps": self.steps,
+            "best_k": self.best_k(),
+            "acceptance_rates": [round(r, 4) for r in self.acceptance_rates()],
+            "attempted": list(self.attempted),
+            "accepted": list(self.accepted),
+            "tokens_per_second": {k: self.tokens_per_second(k) for k in range(self.k_max + 1)},
+            "draft_seconds": {k: m.value for k, m in sorted(self.draft_time.items())},
+            "verify_seconds": {n: m.value for n, m in sorted(self.verify_time.items())},
+        }

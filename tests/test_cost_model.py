@@ -1,0 +1,122 @@
+"""The online cost model that picks k (decode/cost_model.py) and ``generate(k="auto")``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_target
+
+from draftsmith.decode.cost_model import CostModel, RunningMean
+from draftsmith.decode.speculative import generate, resolve_k
+from draftsmith.drafts.base import build_drafter
+
+
+def test_running_mean_is_a_plain_mean_then_forgets():
+    m = RunningMean()
+    for x in (1.0, 2.0, 3.0):
+        m.add(x, decay=0.5)  # weights 1, 1/2, then max(1/3, 0.5) = 0.5
+    assert m.value == pytest.approx(((1.0 + 2.0) / 2 + 3.0) / 2) and m.count == 3
+
+
+def test_arithmetic_by_hand():
+    cm = CostModel(k_max=3, prior_acceptance=0.5, prior_weight=2.0)
+    cm.record(k=3, proposed=3, accepted=1, draft_seconds=0.03, verify_seconds=0.04)
+    assert cm.attempted == [1, 1, 0] and cm.accepted == [1, 0, 0]
+    # depth 0: (1 + 2·0.5) / (1 + 2); depth 1 shrinks to depth 0: (0 + 2·2/3) / 3; depth 2 untried: = depth 1
+    a0, a1 = 2 / 3, 4 / 9
+    assert cm.acceptance_rates() == pytest.approx([a0, a1, a1])
+    assert cm.expected_tokens(0) == 1.0
+    assert cm.expected_tokens(3) == pytest.approx(1 + a0 + a0 * a1 + a0 * a1 * a1)
+    assert cm.draft_seconds(0) == 0.0
+    assert cm.draft_seconds(3) == pytest.approx(0.03)
+    assert cm.draft_seconds(1) == pytest.approx(0.01)  # one measured k: proportional through (0, 0)
+    assert cm.verify_seconds(1) == pytest.approx(0.04)  # one measured width: flat
+    cm.record(k=0, proposed=0, accepted=0, draft_seconds=0.0, verify_seconds=0.02)
+    assert cm.verify_seconds(1) == pytest.approx(0.02)
+    assert cm.verify_seconds(2) == pytest.approx(0.02 + 0.02 / 3)  # between n = 1 and n = 4
+    assert cm.verify_seconds(6) == pytest.approx(0.04 + 2 * 0.02 / 3)  # extrapolated
+    assert cm.step_seconds(1) == pytest.approx(0.01 + 0.02 + 0.02 / 3)  # unmeasured k proposes k tokens
+    assert cm.tokens_per_second(0) == pytest.approx(1 / 0.02)
+    assert cm.tokens_per_second(3) == pytest.approx(cm.expected_tokens(3) / (0.03 + 0.04))
+    rates = {k: cm.tokens_per_second(k) for k in range(4)}
+    assert cm.best_k() == max(rates, key=rates.get)
+
+
+def test_short_proposals_are_rejections_and_cheaper_verifies():
+    cm = CostModel(k_max=4, prior_weight=0.0)
+    cm.record(k=4, proposed=0, accepted=0, draft_seconds=0.001, verify_seconds=0.02)
+    cm.record(k=4, proposed=2, accepted=2, draft_seconds=0.001, verify_seconds=0.03)
+    # depth 0 judged twice (once not even proposed), accepted once; depth 2 judged once (not proposed)
+    assert cm.attempted == [2, 1, 1, 0] and cm.accepted == [1, 1, 0, 0]
+    assert cm.proposed_len[4].value == pytest.approx(1.0)
+    assert cm.step_seconds(4) == pytest.approx(0.001 + cm.verify_seconds(2))
+
+
+def feed(cm: CostModel, steps: int, accept, draft_cost: float, verify_base: float = 0.02) -> list[int]:
+    """Drive the policy against a simulated drafter/target; returns the ks it chose."""
+    chosen = []
+    for _ in range(steps):
+        k = cm.choose()
+        chosen.append(k)
+        n = accept(k)
+        cm.record(k, k, n, draft_cost * k, verify_base + 0.001 * (k + 1))
+    return chosen
+
+
+def test_picks_plain_decoding_when_drafting_is_costly_and_never_accepted():
+    cm = CostModel(k_max=8)
+    chosen = feed(cm, 300, accept=lambda k: 0, draft_cost=0.01)
+    assert cm.best_k() == 0
+    assert chosen[:2] == [0, 4]  # warm-up: plain, then start_k
+    late = chosen[100:]
+    assert late.count(0) >= 0.97 * len(late)  # exploration gets rarer while it changes nothing
+    assert any(k > 0 for k in late)  # ...but never stops
+
+
+def test_picks_a_large_k_when_drafts_are_cheap_and_accepted():
+    cm = CostModel(k_max=8)
+    chosen = feed(cm, 200, accept=lambda k: k, draft_cost=0.0002)
+    assert cm.best_k() == 8
+    assert chosen[-50:].count(8) >= 45
+
+
+def test_a_k_judged_bad_is_tried_again_when_things_change():
+    cm = CostModel(k_max=6)
+    feed(cm, 200, accept=lambda k: 0, draft_cost=0.002)
+    assert cm.best_k() == 0
+    feed(cm, 600, accept=lambda k: k, draft_cost=0.002)  # the drafter turns perfect
+    assert cm.best_k() >= 5
+
+
+def test_resolve_k():
+    assert resolve_k(3) == (3, None)
+    fixed, model = resolve_k("auto")
+    assert fixed == 0 and isinstance(model, CostModel)
+    cm = CostModel()
+    assert resolve_k(cm)[1] is cm
+    for bad in (-1, "fast", 2.5, True):
+        with pytest.raises(ValueError, match="k must be"):
+            resolve_k(bad)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("spec", ["ngram", "layers:2"])
+def test_auto_k_greedy_output_equals_the_target_alone(arch, spec):
+    target = tiny_target(arch)
+    prompt = torch.tensor([5, 9, 13, 5, 9, 13, 5, 9, 40, 41])
+    reference = generate(target, prompt, None, max_new_tokens=40).tokens
+    drafter = build_drafter(spec, target)
+    result = generate(target, prompt, drafter, k="auto", max_new_tokens=40)
+    assert result.tokens == reference
+    assert len(result.chosen_k) == len(result.accepted) == len(result.proposed)
+    assert result.chosen_k[:2] == [0, 4]
+    assert all(p <= k for p, k in zip(result.proposed, result.chosen_k))
+    shared = CostModel(k_max=5)  # one model carried across generations keeps learning
+    steps = 0
+    for _ in range(2):
+        again = generate(target, prompt, drafter, k=shared, max_new_tokens=40)
+        assert again.tokens == reference
+        steps += len(again.chosen_k)
+    assert shared.steps == steps  # both generations fed and asked the same model
+    fixed = generate(target, prompt, drafter, k=3, max_new_tokens=40)
+    assert fixed.tokens == reference and set(fixed.chosen_k) <= {3, 2, 1, 0}
