@@ -7,6 +7,7 @@ Runs, greedy and batch 1, on the first N dev prompts:
   ds:baseline                 draftsmith's loop with k = 0
   ds:ngram                    draftsmith's n-gram drafter
   ds:layers:N                 draftsmith's layer-subset drafter (the same draft as hf:assisted)
+  hf:assisted(NAME), ds:NAME  with --assistant DIR: a saved draft (e.g. distilled) in both decoders
 Every method warms up on one prompt first. Prints a table, writes JSON.
 
     python bench/peers.py --prompts ../shared/data/dev/prompts.jsonl --limit 12 --out bench/results/peers.json
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import load_target
@@ -67,6 +69,14 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=5, help="draft length for every speculative method")
     parser.add_argument("--layers", type=int, default=8, help="depth of the layer-subset draft")
+    parser.add_argument(
+        "--assistant",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a draft directory (e.g. a distilled small draft) run both as hf:assisted and through "
+        "draftsmith's decoder; repeatable",
+    )
     parser.add_argument("--out", default="bench/results/peers.json")
     args = parser.parse_args()
 
@@ -89,6 +99,12 @@ def main() -> None:
         "ds:ngram": ds_runner(target, "ngram", args.k),
         f"ds:layers:{args.layers}": ds_runner(target, f"layers:{args.layers}", args.k),
     }
+    for path in args.assistant:  # the same saved draft in both decoders
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
+        model.generation_config = assistant.generation_config
+        name = Path(path).parent.name if Path(path).name == "draft" else Path(path).name
+        methods[f"hf:assisted({name})"] = hf_runner(target, assistant_model=model)
+        methods[f"ds:{name}"] = ds_runner(target, path, args.k)
     rows = {}
     reference: list[list[int]] | None = None
     for name, run in methods.items():
