@@ -83,7 +83,9 @@ def main() -> None:
     parser.add_argument("--prompts", default="../shared/data/dev/prompts.jsonl")
     parser.add_argument("--limit", type=int, default=12, help="timed prompts (one more is the warm-up)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=8, help="depth of the layer-subset draft (0: leave it out)")
+    parser.add_argument(
+        "--layers", type=int, default=8, help="depth of the layer-subset draft (0: leave it out)"
+    )
     parser.add_argument("--draft", action="append", default=[], help="another draft spec or checkpoint path")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8])
     parser.add_argument("--k-max", type=int, default=8, help="largest k the cost model may pick")
