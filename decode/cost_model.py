@@ -7,17 +7,19 @@ verifying. From that it keeps
 - per-position acceptance: ``attempted[i]`` / ``accepted[i]`` — steps in which draft position i was
   judged (k > i and positions 0..i-1 accepted; a token the drafter did not propose counts as
   rejected) and steps in which it was accepted. The rate at depth i is shrunk towards the rate at
-  depth i-1 (depth 0 towards ``prior_acceptance``) by ``prior_weight`` pseudo-counts, so a depth
-  never tried starts from its shallower neighbour's rate;
+  depth i-1, or towards ``prior_acceptance`` when that is higher (depth 0: towards ``prior_acceptance``),
+  by ``prior_weight`` pseudo-counts, so a depth with little data starts from an optimistic guess and
+  gets measured;
 - the seconds of a draft call per asked k, and of a verify pass per number of tokens it scores
   (n = 1 is one plain target forward: decoding without speculation), each a slowly forgetting
-  mean, interpolated linearly between measured points and extrapolated beyond them;
+  mean; draft time is interpolated linearly between measured ks, verify time is one straight line
+  fitted over every measured width (weighted by samples), which rides out noisy single timings;
 - the mean number of tokens actually proposed per asked k (an n-gram drafter often finds fewer).
 
 Expected tokens per verify step for k: ``E(k) = 1 + sum_{i=1..k} prod_{j<i} a_j``; expected seconds:
 ``D(k) + V(1 + m_k)``; ``k = 0`` is plain decoding (E = 1, seconds = V(1)). ``choose`` returns the
-best k, except on exploration steps, which try a neighbour of the best k (or plain decoding) so that
-a k once judged bad is measured again; the gap between exploration steps doubles while they do not
+best k, except on exploration steps, which try a neighbour of the best k, plain decoding or a deep
+probe at ``start_k``, so that a k once judged bad is measured again; the gap between exploration steps doubles while they do not
 change the answer, which bounds what exploring costs.
 """
 
@@ -61,6 +63,22 @@ def interpolate(points: dict[int, RunningMean], x: float, anchor: tuple[float, f
     return max(y0 + slope * (x - x0), 0.0)
 
 
+def linear_fit(points: dict[int, RunningMean], x: float, max_weight: float) -> float:
+    """A straight line (slope >= 0) through the measured means, weighted by their sample counts (at
+    most ``max_weight`` each), evaluated at x. Verify time is close to linear in the tokens scored, and
+    one fit over every width is far less noisy than a mean per width: a width tried a few times with
+    one slow first call no longer looks dear. With two widths it is the line through both."""
+    pts = [(float(n), m.value, min(float(m.count), max_weight)) for n, m in points.items() if m.count]
+    if not pts:
+        raise ValueError("no measurements to fit")
+    total = sum(w for _, _, w in pts)
+    mean_x = sum(w * n for n, _, w in pts) / total
+    mean_y = sum(w * y for _, y, w in pts) / total
+    sxx = sum(w * (n - mean_x) ** 2 for n, _, w in pts)
+    slope = max(sum(w * (n - mean_x) * (y - mean_y) for n, y, w in pts) / sxx, 0.0) if sxx else 0.0
+    return max(mean_y + slope * (x - mean_x), 0.0)
+
+
 class CostModel:
     """Online estimate of tokens/s for each k in 0..k_max, and the k to use next (see the module docstring)."""
 
@@ -72,7 +90,7 @@ class CostModel:
         prior_weight: float = 2.0,
         decay: float = 0.05,
         explore_min: int = 8,
-        explore_max: int = 256,
+        explore_max: int = 64,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
@@ -91,7 +109,8 @@ class CostModel:
         self.proposed_len: dict[int, RunningMean] = {}
         """k asked -> tokens the drafter actually proposed."""
         self.steps = 0
-        self._warmup = [0, min(start_k, k_max)]  # plain cost first, then a first speculative k
+        self.start_k = min(start_k, k_max)
+        self._warmup = [0, self.start_k]  # plain cost first, then a first speculative k
         self._explore_min, self._explore_max = explore_min, explore_max
         self._interval = explore_min
         self._next_explore = explore_min
@@ -121,8 +140,12 @@ class CostModel:
         """``[i]`` = estimated P(draft token i accepted | tokens 0..i-1 accepted), i < k_max."""
         rates, prior, w = [], self.prior_acceptance, self.prior_weight
         for tried, kept in zip(self.attempted, self.accepted):
-            prior = (kept + w * prior) / (tried + w)
-            rates.append(prior)
+            rate = (kept + w * prior) / (tried + w)
+            rates.append(rate)
+            # the next depth shrinks towards this rate but never below prior_acceptance: a depth with
+            # little data stays worth measuring (an n-gram draft's later positions are accepted far
+            # more often than its first — once a match is right it tends to stay right)
+            prior = max(rate, self.prior_acceptance)
         return rates
 
     def expected_tokens(self, k: int) -> float:
@@ -141,7 +164,7 @@ class CostModel:
 
     def verify_seconds(self, n: float) -> float | None:
         """Seconds of a target pass scoring n tokens; None before any pass was measured."""
-        return interpolate(self.verify_time, n) if self.verify_time else None
+        return linear_fit(self.verify_time, n, 1.0 / self.decay) if self.verify_time else None
 
     def step_seconds(self, k: int) -> float | None:
         """Expected seconds of one verify step with k asked: draft call + verify pass over the expected proposal."""
@@ -176,7 +199,10 @@ class CostModel:
         self._interval = min(self._interval * 2, self._explore_max) if same else self._explore_min
         self._best_at_last_explore = best
         self._next_explore = self.steps + self._interval
-        candidates = [c for c in dict.fromkeys((best + 1, best - 1, 0)) if 0 <= c <= self.k_max and c != best]
+        # neighbours, plain decoding, and a deep probe at start_k: from k = 0 its neighbour k = 1 alone
+        # cannot show that deeper drafts pay off
+        probes = (best + 1, best - 1, 0, self.start_k)
+        candidates = [c for c in dict.fromkeys(probes) if 0 <= c <= self.k_max and c != best]
         choice = candidates[self._explore_turn % len(candidates)]
         self._explore_turn += 1
         return choice

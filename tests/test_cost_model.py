@@ -22,11 +22,12 @@ def test_arithmetic_by_hand():
     cm = CostModel(k_max=3, prior_acceptance=0.5, prior_weight=2.0)
     cm.record(k=3, proposed=3, accepted=1, draft_seconds=0.03, verify_seconds=0.04)
     assert cm.attempted == [1, 1, 0] and cm.accepted == [1, 0, 0]
-    # depth 0: (1 + 2·0.5) / (1 + 2); depth 1 shrinks to depth 0: (0 + 2·2/3) / 3; depth 2 untried: = depth 1
-    a0, a1 = 2 / 3, 4 / 9
-    assert cm.acceptance_rates() == pytest.approx([a0, a1, a1])
+    # depth 0: (1 + 2·0.5) / (1 + 2); depth 1 shrinks to max(depth 0, 0.5): (0 + 2·2/3) / 3;
+    # depth 2 untried: max(depth 1, 0.5) = 0.5 — optimistic, so it gets measured
+    a0, a1, a2 = 2 / 3, 4 / 9, 0.5
+    assert cm.acceptance_rates() == pytest.approx([a0, a1, a2])
     assert cm.expected_tokens(0) == 1.0
-    assert cm.expected_tokens(3) == pytest.approx(1 + a0 + a0 * a1 + a0 * a1 * a1)
+    assert cm.expected_tokens(3) == pytest.approx(1 + a0 + a0 * a1 + a0 * a1 * a2)
     assert cm.draft_seconds(0) == 0.0
     assert cm.draft_seconds(3) == pytest.approx(0.03)
     assert cm.draft_seconds(1) == pytest.approx(0.01)  # one measured k: proportional through (0, 0)
@@ -120,3 +121,22 @@ def test_auto_k_greedy_output_equals_the_target_alone(arch, spec):
     assert shared.steps == steps  # both generations fed and asked the same model
     fixed = generate(target, prompt, drafter, k=3, max_new_tokens=40)
     assert fixed.tokens == reference and set(fixed.chosen_k) <= {3, 2, 1, 0}
+
+
+def test_verify_cost_is_one_line_over_all_widths():
+    """A width timed once, slowly, does not make its k look dear: the fit leans on the widths timed often."""
+    cm = CostModel(k_max=6)
+    for _ in range(20):
+        cm.record(k=0, proposed=0, accepted=0, draft_seconds=0.0, verify_seconds=0.05)
+        cm.record(k=4, proposed=4, accepted=0, draft_seconds=0.0, verify_seconds=0.07)  # width 5
+    cm.record(k=1, proposed=1, accepted=0, draft_seconds=0.0, verify_seconds=0.15)  # width 2, one slow call
+    # the line through (1, 0.05) and (5, 0.07) gives 0.055 at width 2; the lone sample moves it a little
+    assert 0.055 < cm.verify_seconds(2) < 0.065
+    assert cm.verify_seconds(1) < cm.verify_seconds(3) < cm.verify_seconds(5)
+
+
+def test_explores_deep_k_from_plain_decoding():
+    """Once plain decoding is best, exploration still probes start_k, not only k = 1."""
+    cm = CostModel(k_max=8, start_k=4)
+    chosen = feed(cm, 300, accept=lambda k: 0, draft_cost=0.01)
+    assert 4 in chosen[10:] and 1 in chosen[10:]
