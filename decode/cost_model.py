@@ -80,6 +80,10 @@ def linear_fit(points: dict[int, RunningMean], x: float, max_weight: float) -> f
     return max(mean_y + slope * (x - mean_x), 0.0)
 
 
+MIN_SAMPLES = 3
+"""Verify passes asked with a given k before their own mean replaces the width model for that k."""
+
+
 class CostModel:
     """Online estimate of tokens/s for each k in 0..k_max, and the k to use next (see the module docstring)."""
 
@@ -109,6 +113,10 @@ class CostModel:
         """tokens scored by the verify pass (proposed + 1) -> seconds of the pass."""
         self.proposed_len: dict[int, RunningMean] = {}
         """k asked -> tokens the drafter actually proposed."""
+        self.verify_by_k: dict[int, RunningMean] = {}
+        """k asked -> seconds of the verify pass. A drafter whose proposals vary in length (an n-gram
+        draft finds no match, then a long one) mixes cheap one-token passes with dear wide ones; the
+        mean of that mixture is not the cost at the mean width."""
         self.steps = 0
         self.start_k = min(start_k, k_max)
         self._warmup = [0, self.start_k]  # plain cost first, then a first speculative k
@@ -133,6 +141,7 @@ class CostModel:
         if k > 0:
             self.draft_time.setdefault(k, RunningMean()).add(draft_seconds, self.decay)
             self.proposed_len.setdefault(k, RunningMean()).add(proposed, self.decay)
+            self.verify_by_k.setdefault(k, RunningMean()).add(verify_seconds, self.decay)
         self.verify_time.setdefault(proposed + 1, RunningMean()).add(verify_seconds, self.decay)
 
     # -- the estimates --------------------------------------------------------------------------
@@ -176,8 +185,12 @@ class CostModel:
 
     def step_seconds(self, k: int) -> float | None:
         """Expected seconds of one verify step with k asked: draft call + verify pass over the expected proposal."""
-        mean_proposed = self.proposed_len[k].value if k in self.proposed_len else float(k)
-        verify = self.verify_seconds(1 + (mean_proposed if k else 0.0))
+        measured = self.verify_by_k.get(k)
+        if k and measured is not None and measured.count >= MIN_SAMPLES:
+            verify = measured.value  # measured for this k: the real mixture of proposal lengths
+        else:
+            mean_proposed = self.proposed_len[k].value if k in self.proposed_len else float(k)
+            verify = self.verify_seconds(1 + (mean_proposed if k else 0.0))
         return None if verify is None else self.draft_seconds(k) + verify
 
     def tokens_per_second(self, k: int) -> float | None:

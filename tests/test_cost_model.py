@@ -149,3 +149,15 @@ def test_explores_deep_k_from_plain_decoding():
     cm = CostModel(k_max=8, start_k=4)
     chosen = feed(cm, 300, accept=lambda k: 0, draft_cost=0.01)
     assert 4 in chosen[10:] and 1 in chosen[10:]
+
+
+def test_varying_proposal_lengths_cost_what_was_measured_for_that_k():
+    """An n-gram draft asked for 4 finds no match half the time (a cheap one-token pass) and 4 tokens
+    otherwise: the expected cost is the mean of the two, not the cost at the mean width of 3."""
+    cm = CostModel(k_max=4)
+    for _ in range(10):
+        cm.record(k=0, proposed=0, accepted=0, draft_seconds=0.0, verify_seconds=0.05)
+        cm.record(k=4, proposed=0, accepted=0, draft_seconds=0.0, verify_seconds=0.05)
+        cm.record(k=4, proposed=4, accepted=2, draft_seconds=0.0, verify_seconds=0.09)
+    assert cm.step_seconds(4) == pytest.approx(0.07, rel=0.1)
+    assert cm.verify_seconds(3) == pytest.approx(0.09)  # the width model alone would say 0.09
