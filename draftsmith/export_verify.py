@@ -38,8 +38,8 @@ EAGLE3_REQUIRED_INTS = (
 
 # Causal-LM architectures both engines register as draft models (vLLM models/registry.py
 # _TEXT_GENERATION_MODELS, SGLang models/*.py EntryClass), for the tiny families draftsmith tests.
-DRAFT_ARCHITECTURES = {
-    "vllm": {
+_CAUSAL_LM_DRAFTS = frozenset(
+    {
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
@@ -47,17 +47,9 @@ DRAFT_ARCHITECTURES = {
         "Gemma2ForCausalLM",
         "Gemma3ForCausalLM",
         "Phi3ForCausalLM",
-    },
-    "sglang": {
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-        "Gemma2ForCausalLM",
-        "Gemma3ForCausalLM",
-        "Phi3ForCausalLM",
-    },
-}
+    }
+)
+DRAFT_ARCHITECTURES = {"vllm": _CAUSAL_LM_DRAFTS, "sglang": _CAUSAL_LM_DRAFTS}
 
 
 class ExportVerificationError(ValueError):
