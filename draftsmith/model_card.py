@@ -150,12 +150,17 @@ def metrics_section(ev: EvalReport, plot: str | None) -> list[str]:
     if plot:
         lines += [f"![per-position acceptance and τ by category]({plot})", ""]
     base = r.get("baseline") or {}
+    drafting = (
+        f"draft trees {s['tree']} (depth, top-k, nodes per step)"
+        if s.get("tree")
+        else f"k = {s.get('k')} draft tokens per step"
+    )
     lines += [
         f"- draft throughput {_fmt(d.get('tokens_per_s'), '.1f')} tok/s vs target alone "
         f"{_fmt(base.get('tokens_per_s'), '.1f')} tok/s ({d.get('new_tokens')} new tokens, "
         f"{d.get('generations')} generations)",
         f"- hardware: {r.get('hardware')}",
-        f"- settings: k = {s.get('k')} draft tokens per step, max new tokens = {s.get('max_new_tokens')}, "
+        f"- settings: {drafting}, max new tokens = {s.get('max_new_tokens')}, "
         f"temperature = {s.get('temperature')}, top-k = {s.get('top_k')}, top-p = {s.get('top_p')}, "
         f"seed = {s.get('seed')}, dtype = {s.get('dtype')}",
         f"- prompts: `{Path(str(s.get('prompts'))).name}` ({s.get('num_prompts')} prompts, order "
