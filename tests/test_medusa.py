@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_eagle import make_teacher, self_distilled_batch
+from test_eagle import make_teacher, self_distilled_batch, train
 from tiny import tiny_model, tiny_target, tiny_tokenizer
 
 from draftsmith.decode.features import LAYER_ID_CONVENTION, capture_layers
@@ -25,20 +25,6 @@ ARCHS = ["llama", "qwen2"]
 @pytest.fixture(scope="module", params=ARCHS)
 def target(request):
     return tiny_target(request.param, layers=4)
-
-
-def train(objective, batch, teacher, steps: int = 40, lr: float = 1e-2):
-    torch.manual_seed(0)
-    heads = objective.build_draft()
-    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    for _ in range(steps):
-        out = objective.loss(heads, batch, teacher)
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-        losses.append(float(out["loss"].detach()))
-    return heads.eval(), losses, out
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -106,7 +92,7 @@ def test_training_lowers_the_loss_and_decoding_stays_lossless(target, hard):
     untrained = objective.build_draft().eval()
     k = 3
     before = objective.acceptance(untrained, batch, teacher, k)
-    heads, losses, logs = train(objective, batch, teacher)
+    heads, losses, logs = train(objective, batch, teacher, steps=40)
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.7 * losses[0], losses
     assert {"ce_0", "ce_2", "acc_0", "acc_2", "tokens"} <= set(logs)
