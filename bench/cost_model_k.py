@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.decode.cost_model import CostModel
+from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
@@ -32,10 +33,18 @@ BASELINE = "target alone"
 
 
 def run_draft(
-    target, spec: str, prompts: list[torch.Tensor], ks: list[int], k_max: int, max_new: int
+    target,
+    spec: str,
+    prompts: list[torch.Tensor],
+    ks: list[int],
+    k_max: int,
+    max_new: int,
+    cpu_kernels: str = "packed",
 ) -> dict:
     """Every method for one draft over the prompts (prompts[0] = warm-up); per-method totals."""
     drafter = build_drafter(spec, target)
+    if cpu_kernels == "packed":
+        pack_for_decoding(drafter)  # the target's layers are packed once in main()
     policy = CostModel(k_max=k_max)
     methods = [(BASELINE, None, 0)] + [(f"k={k}", drafter, k) for k in ks] + [("auto", drafter, policy)]
     for _, method_drafter, k in methods:  # warm-up; auto's on a throwaway model, so timing starts cold-free
@@ -89,10 +98,18 @@ def main() -> None:
     parser.add_argument("--draft", action="append", default=[], help="another draft spec or checkpoint path")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8])
     parser.add_argument("--k-max", type=int, default=8, help="largest k the cost model may pick")
+    parser.add_argument(
+        "--cpu-kernels",
+        choices=["packed", "stock"],
+        default="packed",
+        help="packed (default): linear layers run on prepacked oneDNN weights (decode/cpu_kernels.py)",
+    )
     parser.add_argument("--out", default="bench/results/cost_model_k.json")
     args = parser.parse_args()
 
     target = load_target(args.target, device=args.device, dtype="float32")
+    if args.cpu_kernels == "packed":
+        pack_for_decoding(target.model)
     prompts = [
         render(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
         for p in load_prompts(args.prompts, args.limit + 1, order="round-robin")
@@ -102,7 +119,9 @@ def main() -> None:
     specs = ["ngram", *([f"layers:{args.layers}"] if args.layers > 0 else []), *args.draft]
     drafts = {}
     for spec in specs:
-        drafts[spec] = run_draft(target, spec, prompts, args.ks, args.k_max, args.max_new_tokens)
+        drafts[spec] = run_draft(
+            target, spec, prompts, args.ks, args.k_max, args.max_new_tokens, args.cpu_kernels
+        )
         print(f"\n{spec}", flush=True)
         print(f"  {'method':14s} {'tok/s':>8s} {'speedup':>8s} {'tau':>6s} {'exact':>6s}")
         for name, row in drafts[spec]["methods"].items():

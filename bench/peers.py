@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
@@ -51,9 +52,8 @@ def hf_runner(target, **kwargs):
     return run
 
 
-def ds_runner(target, spec: str | None, k: int):
+def ds_runner(target, drafter, k: int):
     def run(prompt: torch.Tensor, max_new: int) -> list[int]:
-        drafter = build_drafter(spec, target) if spec else None
         return generate(target, prompt, drafter, k=k, max_new_tokens=max_new).tokens
 
     return run
@@ -77,6 +77,13 @@ def main() -> None:
         help="a draft directory (e.g. a distilled small draft) run both as hf:assisted and through "
         "draftsmith's decoder; repeatable",
     )
+    parser.add_argument(
+        "--cpu-kernels",
+        choices=["packed", "stock"],
+        default="packed",
+        help="packed (default): every model here, transformers' and draftsmith's alike, runs its linear "
+        "layers through prepacked oneDNN weights (decode/cpu_kernels.py); stock: PyTorch's defaults",
+    )
     parser.add_argument("--out", default="bench/results/peers.json")
     args = parser.parse_args()
 
@@ -91,20 +98,28 @@ def main() -> None:
     assistant.generation_config = type(target.model.generation_config).from_dict(
         target.model.generation_config.to_dict()
     )
+    drafters = {
+        spec: build_drafter(spec, target) for spec in ["ngram", f"layers:{args.layers}", *args.assistant]
+    }
     methods = {
         "hf:generate": hf_runner(target),
         "hf:prompt_lookup": hf_runner(target, prompt_lookup_num_tokens=args.k),
         f"hf:assisted(layers:{args.layers})": hf_runner(target, assistant_model=assistant),
         "ds:baseline": ds_runner(target, None, 0),
-        "ds:ngram": ds_runner(target, "ngram", args.k),
-        f"ds:layers:{args.layers}": ds_runner(target, f"layers:{args.layers}", args.k),
+        "ds:ngram": ds_runner(target, drafters["ngram"], args.k),
+        f"ds:layers:{args.layers}": ds_runner(target, drafters[f"layers:{args.layers}"], args.k),
     }
+    models = [target.model, assistant, *drafters.values()]
     for path in args.assistant:  # the same saved draft in both decoders
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype).to(target.device)
+        model.eval().requires_grad_(False)
         model.generation_config = assistant.generation_config
+        models.append(model)
         name = Path(path).parent.name if Path(path).name == "draft" else Path(path).name
         methods[f"hf:assisted({name})"] = hf_runner(target, assistant_model=model)
-        methods[f"ds:{name}"] = ds_runner(target, path, args.k)
+        methods[f"ds:{name}"] = ds_runner(target, drafters[path], args.k)
+    if args.cpu_kernels == "packed":
+        pack_for_decoding(*models)
     rows = {}
     reference: list[list[int]] | None = None
     for name, run in methods.items():

@@ -73,7 +73,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="new tokens per turn at most (default 256)",
     )
     p.add_argument(
-        "--k", type=int, default=5, help="draft tokens proposed per verify step at most (default 5)"
+        "--k",
+        type=_k_arg,
+        default=5,
+        metavar="K",
+        help="draft tokens proposed per verify step at most (default 5), or 'auto': a cost model measures "
+        "acceptance per position and the draft/verify costs while decoding and picks k in 0..--k-max per "
+        "step (0 = plain decoding when speculation would be slower)",
+    )
+    p.add_argument(
+        "--k-max", type=int, default=8, metavar="N", help="largest k that --k auto may pick (default 8)"
     )
     p.add_argument(
         "--tree",
@@ -114,6 +123,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="target (and draft) weights"
     )
     p.add_argument(
+        "--cpu-kernels",
+        choices=["packed", "stock"],
+        default="packed",
+        help="CPU float32 only: 'packed' (default) runs every frozen linear layer of the target and the drafts "
+        "through oneDNN with weights prepacked once (decode/cpu_kernels.py; faster at the few-row shapes of "
+        "decoding, for the baseline too); 'stock' keeps PyTorch's default kernels",
+    )
+    p.add_argument(
         "--warmup",
         type=int,
         default=1,
@@ -127,14 +144,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _k_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--k takes an integer >= 1 or 'auto', got {value!r}") from None
+
+
 def _check(args: argparse.Namespace) -> list[str] | None:
     """Validate what can be checked before loading any model; return the category filter."""
     if args.tree is not None:
         from draftsmith.decode.tree import TreeSpec
 
         TreeSpec.parse(args.tree)
-    if args.k < 1:
-        raise ValueError(f"--k must be at least 1 (draft tokens per verify step), got {args.k}")
+    if args.k != "auto" and args.k < 1:
+        raise ValueError(f"--k must be at least 1 (draft tokens per verify step) or 'auto', got {args.k}")
+    if args.k_max < 1:
+        raise ValueError(f"--k-max must be at least 1, got {args.k_max}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.warmup < 0:
@@ -154,6 +182,7 @@ def _check(args: argparse.Namespace) -> list[str] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Load prompts, target and drafts; evaluate; print the table and write the reports."""
+    from draftsmith.decode.cpu_kernels import pack_for_decoding
     from draftsmith.decode.sampling import Sampling
     from draftsmith.decode.target import load_target
     from draftsmith.decode.tree import TreeSpec
@@ -169,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
     )  # fail fast, before loading models
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     drafts = [(spec, build_drafter(spec, target)) for spec in args.drafts]
+    if args.cpu_kernels == "packed":
+        pack_for_decoding(target.model, *(drafter for _, drafter in drafts))
     result = evaluate(
         target,
         drafts,
@@ -179,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         warmup=args.warmup,
         tree=TreeSpec.parse(args.tree) if args.tree is not None else None,
+        k_max=args.k_max,
     )
     settings = {key: value for key, value in vars(args).items() if key not in ("func", "command")}
     settings["num_prompts"] = len(prompts)

@@ -10,14 +10,16 @@ runs through the tree decoder (``decode/tree_decode.py``); the baseline stays th
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.decode.cost_model import CostModel
 from draftsmith.decode.sampling import Sampling
-from draftsmith.decode.speculative import generate
+from draftsmith.decode.speculative import KPolicy, generate
 from draftsmith.decode.target import Target
 from draftsmith.decode.tree import TreeSpec
 from draftsmith.decode.tree_decode import generate_tree
@@ -43,6 +45,8 @@ class MethodResult:
     """Greedy only: every output equals the baseline's token for token (None when sampling)."""
     category_exact: dict[str, bool | None] = field(default_factory=dict)
     mismatched_prompts: list[str] = field(default_factory=list)
+    chosen_k: Counter[int] = field(default_factory=Counter)
+    """``k = "auto"`` only: verify steps per k the cost model chose (0 = a plain decoding step)."""
 
     def record(self, category: str, stats: RunStats, outputs: list[list[int]]) -> None:
         self.total = self.total + stats
@@ -63,15 +67,17 @@ def run_prompt(
     target: Target,
     drafter: Drafter | None,
     prompt: EvalPrompt,
-    k: int,
+    k: KPolicy,
     max_new_tokens: int,
     sampling: Sampling,
     seed: int,
     tree: TreeSpec | None = None,
+    chosen_k: Counter[int] | None = None,
 ) -> tuple[list[list[int]], RunStats]:
     """Generate an answer to every turn of ``prompt``; turn i+1 sees the method's own answer to turn i.
 
     With ``tree`` a drafter proposes token trees of that shape instead of chains of k tokens.
+    ``chosen_k`` (optional) counts the k used at each verify step.
     """
     generator = torch.Generator(device=target.device).manual_seed(seed)
     conversation: list[dict[str, str]] = []
@@ -83,6 +89,8 @@ def run_prompt(
         result = _generate(target, ids, drafter, k, tree, max_new_tokens, sampling, generator)
         outputs.append(result.tokens)
         stats = stats + RunStats.from_result(result)
+        if chosen_k is not None:
+            chosen_k.update(result.chosen_k)
         conversation.append({"role": "assistant", "content": answer_text(target.tokenizer, result.tokens)})
     return outputs, stats
 
@@ -97,7 +105,7 @@ def warm_up(
     target: Target,
     methods: Sequence[tuple[str, Drafter | None]],
     prompts: Sequence[EvalPrompt],
-    k: int,
+    k: int | str,
     max_new_tokens: int,
     sampling: Sampling,
     seed: int,
@@ -119,24 +127,28 @@ def evaluate(
     target: Target,
     drafts: Sequence[tuple[str, Drafter]],
     prompts: Sequence[EvalPrompt],
-    k: int = 5,
+    k: int | str = 5,
     max_new_tokens: int = 256,
     sampling: Sampling | None = None,
     seed: int = 0,
     warmup: int = 1,
     progress: bool | None = None,
     tree: TreeSpec | None = None,
+    k_max: int = 8,
 ) -> EvalResult:
     """Run the target alone and every ``(name, drafter)`` over ``prompts``; compare outputs when greedy.
 
     ``sampling``: greedy when None. ``progress``: show a tqdm bar (None = only when stderr is a terminal).
     ``tree``: draft token trees of this shape (every drafter must support it) instead of k-token chains.
+    ``k="auto"``: each drafter gets one cost model (``decode/cost_model.py``, k in 0..``k_max``) that
+    learns from a fresh start over the timed prompts and keeps what it learned from prompt to prompt;
+    the warm-up runs on throwaway models.
     """
     sampling = sampling if sampling is not None else Sampling()
     if not prompts:
         raise ValueError("no prompts to evaluate")
-    if k < 1:
-        raise ValueError(f"--k must be at least 1 (draft tokens per step), got {k}")
+    if k != "auto" and (not isinstance(k, int) or k < 1):
+        raise ValueError(f"--k must be at least 1 (draft tokens per step) or 'auto', got {k!r}")
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if tree is not None:
@@ -149,11 +161,15 @@ def evaluate(
     methods: list[tuple[str, Drafter | None]] = [(BASELINE, None), *drafts]
     results = [MethodResult(name) for name, _ in methods]
     warm_up(target, methods, prompts[: max(warmup, 0)], k, max_new_tokens, sampling, seed, tree)
+    policies: list[KPolicy] = [0] + [CostModel(k_max=k_max) if k == "auto" else k for _ in drafts]
 
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=None if progress is None else not progress)
     for prompt in bar:
-        for (_, drafter), result in zip(methods, results):
-            outputs, stats = run_prompt(target, drafter, prompt, k, max_new_tokens, sampling, seed, tree)
+        for (_, drafter), result, policy in zip(methods, results, policies):
+            chosen = result.chosen_k if k == "auto" and drafter is not None else None
+            outputs, stats = run_prompt(
+                target, drafter, prompt, policy, max_new_tokens, sampling, seed, tree, chosen
+            )
             result.record(prompt.category, stats, outputs)
         if drafts:
             bar.set_postfix_str(

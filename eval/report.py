@@ -82,6 +82,8 @@ def _draft_entry(draft: MethodResult, baseline: MethodResult, categories: list[s
         "acceptance": {**acc.to_dict(), "proposed_at": acc.proposed_at, "accepted_at": acc.accepted_at},
         "categories": {},
     }
+    if draft.chosen_k:  # k = "auto": verify steps per chosen k (0 = plain decoding)
+        entry["chosen_k"] = {str(k): n for k, n in sorted(draft.chosen_k.items())}
     for cat in categories:
         stats, base = draft.categories[cat], baseline.categories[cat]
         entry["categories"][cat] = {
@@ -191,6 +193,10 @@ def format_markdown(report: dict) -> str:
         for d in report["drafts"]:
             cells = [_f(x, ".2f") for x in d["per_position"]] + ["—"] * (k - len(d["per_position"]))
             out.append(f"| {d['name']} | " + " | ".join(cells) + " |")
+        chosen = [(d["name"], d["chosen_k"]) for d in report["drafts"] if d.get("chosen_k")]
+        if chosen:
+            out += ["", "k chosen by the cost model (verify steps per k; 0 = plain decoding):", ""]
+            out += [f"- {name}: " + ", ".join(f"k={k}: {n}" for k, n in ks.items()) for name, ks in chosen]
     if report["drafts"]:
         out += ["", "![per-position acceptance and τ by category](acceptance.png)"]
     out += ["", "```", METRICS, "```", ""]

@@ -122,6 +122,27 @@ def test_help_explains_options_and_metrics(capsys):
         assert needle in text
 
 
+def test_eval_with_cost_model_k(model_dir, prompts_file, tmp_path):
+    out = tmp_path / "auto"
+    argv = ["eval", "--target", str(model_dir), "--draft", str(model_dir), "--draft", "ngram"]
+    argv += ["--prompts", str(prompts_file), "--max-new-tokens", "16", "--k", "auto", "--k-max", "4"]
+    assert main([*argv, "--cpu-kernels", "stock", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["k"] == "auto" and report["settings"]["cpu_kernels"] == "stock"
+    for d in report["drafts"]:
+        assert d["exact_match"] is True
+        chosen = {int(k): n for k, n in d["chosen_k"].items()}
+        assert set(chosen) <= set(range(5))
+        assert sum(chosen.values()) == sum(n for _, _, n in d["acceptance"]["steps"])
+    assert "k chosen by the cost model" in (out / "report.md").read_text()
+
+
+def test_k_must_be_a_number_or_auto(capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", "--target", "t", "--draft", "ngram", "--prompts", "p", "--out", "o", "--k", "many"])
+    assert "--k takes an integer >= 1 or 'auto', got 'many'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "extra, content, complaint",
     [

@@ -56,3 +56,27 @@ def test_greedy_speculative_equals_target_greedy_on_smollm2(smollm2, shared_data
         for spec in ("ngram", "layers:8"):
             result = generate(smollm2, prompt, build_drafter(spec, smollm2), k=5, max_new_tokens=40)
             assert result.tokens == baseline.tokens, (spec, record["question_id"])
+
+
+@pytest.mark.slow
+def test_packed_kernels_keep_smollm2_greedy_output(smollm2, shared_data):
+    """With the CPU linears prepacked (eval's default), greedy speculative output still equals the
+    target's own greedy output, and the target's greedy text equals the one of stock kernels."""
+    from draftsmith.decode.cpu_kernels import pack_for_decoding, unpack_linears
+
+    record = json.loads((shared_data / "dev" / "prompts.jsonl").open().readline())
+    ids = smollm2.tokenizer.apply_chat_template(
+        [{"role": "user", "content": record["turns"][0]}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    prompt = torch.tensor(ids)
+    stock = generate(smollm2, prompt, None, max_new_tokens=40).tokens
+    drafter = build_drafter("layers:8", smollm2)
+    try:
+        assert pack_for_decoding(smollm2.model, drafter) > 0
+        packed = generate(smollm2, prompt, None, max_new_tokens=40).tokens
+        assert packed == stock
+        for spec, d in (("layers:8", drafter), ("ngram", build_drafter("ngram", smollm2))):
+            assert generate(smollm2, prompt, d, k=5, max_new_tokens=40).tokens == packed, spec
+    finally:
+        unpack_linears(smollm2.model)
+        unpack_linears(drafter.model)

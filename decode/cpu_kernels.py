@@ -1,0 +1,123 @@
+"""Faster linear layers for decoding on a CPU: weights prepacked once for oneDNN.
+
+At batch 1 a decode step multiplies a handful of rows (1 for plain decoding, k + 1 for a verify
+pass) by every weight matrix. PyTorch's default CPU path (MKL sgemm on the dense weight) is poor at
+that shape: on the project's 2-core EPYC, a [2, 576] x [576, 1536] product takes twice as long as a
+[1, 576] one, where reading the weight — the real cost at this size — is the same. oneDNN with the
+weight reordered once into its blocked layout (what ``torch.compile``'s CPU backend does when it
+freezes weights) reads it at close to memory speed for any small row count. Measured on SmolLM2-135M
+after a 300-token prefix (median ms per target forward, stock -> packed): 1 token 60 -> 45,
+2 tokens 99 -> 53, 6 tokens 89 -> 60, 16 tokens 105 -> 82.
+
+``pack_linears(model)`` swaps every frozen ``nn.Linear`` for a ``PackedLinear`` that keeps the
+original weight (shared, so state dicts, tied embeddings and hooks see the same tensor) plus the
+packed copy. It is for inference only: a packed layer refuses to run when autograd would need its
+weight's gradient, since the packed copy would not follow an update. ``unpack_linears`` undoes it.
+Packing is skipped (and says why) where it does not apply: not a CPU tensor, not float32, or a
+PyTorch without the oneDNN op.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def packing_unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why weights on (device, dtype) cannot be packed here; None when they can."""
+    if torch.device(device).type != "cpu":
+        return f"device is {device}, packing is for CPU decoding"
+    if dtype != torch.float32:
+        return f"dtype is {dtype}, packing is used for float32 only"
+    if not torch.backends.mkldnn.is_available():
+        return "this PyTorch build has no oneDNN (mkldnn)"
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or not hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    ):
+        return "this PyTorch build lacks torch.ops.mkldnn._linear_pointwise"
+    return None
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` whose forward runs oneDNN on a weight copy reordered once (inference only)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same Parameter: tying and state_dict keys are unchanged
+        self.bias = linear.bias
+        # not a buffer: the blocked layout is private to oneDNN and must not reach a state dict
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self._version = linear.weight._version
+        self.__dict__["_original"] = linear  # kept for unpack_linears, not registered as a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(
+                "a PackedLinear is for inference only (its packed weight copy would not follow training); "
+                "call draftsmith.decode.cpu_kernels.unpack_linears(model) before training"
+            )
+        if self.weight._version != self._version:  # the weight was changed in place since packing
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+            self._version = self.weight._version
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return nn.functional.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+
+
+def pack_linears(model: nn.Module, packed: dict[int, PackedLinear] | None = None) -> int:
+    """Swap every frozen float32 CPU ``nn.Linear`` in ``model`` for a ``PackedLinear``; how many were swapped.
+
+    Layers whose weight requires grad are left alone (they may be trained). Idempotent. ``packed``
+    maps id(original Linear) to its packed layer, so a Linear shared by several models (a
+    ``layers:N`` view shares the target's) is packed once.
+    """
+    packed = {} if packed is None else packed
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or child.weight.requires_grad:
+                continue
+            if packing_unavailable(child.weight.device, child.weight.dtype) is not None:
+                continue
+            if id(child) not in packed:
+                packed[id(child)] = PackedLinear(child)
+            setattr(parent, name, packed[id(child)])
+            count += 1
+    return count
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Put back the original ``nn.Linear`` of every ``PackedLinear`` in ``model``; how many were restored."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                setattr(parent, name, child._original)
+                count += 1
+    return count
+
+
+def pack_for_decoding(*objects) -> int:
+    """Pack the frozen linears of each model, and of every module a drafter holds; total swapped.
+
+    Accepts ``nn.Module``s, objects with a ``model`` attribute (the target) and drafters (their
+    module attributes are packed). Modules reached twice are packed once.
+    """
+    seen: set[int] = set()
+    packed: dict[int, PackedLinear] = {}
+    total = 0
+    for obj in objects:
+        modules = (
+            [obj]
+            if isinstance(obj, nn.Module)
+            else [v for v in vars(obj).values() if isinstance(v, nn.Module)]
+        )
+        for module in modules:
+            if id(module) not in seen:
+                seen.add(id(module))
+                total += pack_linears(module, packed)
+    return total
