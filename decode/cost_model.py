@@ -240,3 +240,95 @@ class CostModel:
             "draft_seconds": {k: m.value for k, m in sorted(self.draft_time.items())},
             "verify_seconds": {n: m.value for n, m in sorted(self.verify_time.items())},
         }
+
+
+class TreeBudget:
+    """Online choice of a draft tree's node budget (``TreeSpec.total_tokens``; 0 = plain decoding).
+
+    A tree's acceptance does not factor by position as a chain's does, so this one measures each
+    budget directly: per budget, the mean tokens committed per verify step and the mean seconds of a
+    step (drafting + verify), each a slowly forgetting mean, and their ratio is its tokens/s. Warm-up
+    runs every budget ``warmup_rounds`` times (budgets from the largest down, plain decoding first);
+    then ``choose`` returns the best budget, except on exploration steps, which try its neighbours in
+    ``budgets`` and plain decoding in turn, with the gap between them doubling while the best does
+    not change (as ``CostModel`` does for k).
+    """
+
+    def __init__(
+        self,
+        depth: int,
+        top_k: int,
+        budgets: tuple[int, ...] = (0, 4, 8, 16, 32, 48, 64),
+        decay: float = 0.05,
+        warmup_rounds: int = 2,
+        explore_min: int = 8,
+        explore_max: int = 64,
+    ):
+        if depth < 1 or top_k < 1:
+            raise ValueError(f"tree depth and top_k must be >= 1, got {depth}, {top_k}")
+        if not budgets or any(b < 0 for b in budgets):
+            raise ValueError(f"tree budgets must be >= 0 (0 = plain decoding), got {budgets}")
+        self.depth, self.top_k = depth, top_k
+        self.budgets = tuple(sorted(set(budgets)))
+        self.decay = decay
+        self.tokens: dict[int, RunningMean] = {b: RunningMean() for b in self.budgets}
+        self.seconds: dict[int, RunningMean] = {b: RunningMean() for b in self.budgets}
+        self.steps = 0
+        self._warmup = [
+            b for _ in range(warmup_rounds) for b in sorted(self.budgets, key=lambda b: (b != 0, -b))
+        ]
+        self._explore_min, self._explore_max = explore_min, explore_max
+        self._interval = explore_min
+        self._next_explore = explore_min + len(self._warmup)
+        self._explore_turn = 0
+        self._best_at_last_explore: int | None = None
+
+    def record(self, budget: int, committed: int, seconds: float) -> None:
+        """One verify step with ``budget`` nodes committed ``committed`` tokens in ``seconds``."""
+        if budget not in self.tokens:
+            raise ValueError(f"budget {budget} is not one of {self.budgets}")
+        self.tokens[budget].add(committed, self.decay)
+        self.seconds[budget].add(seconds, self.decay)
+
+    def tokens_per_second(self, budget: int) -> float | None:
+        tokens, seconds = self.tokens[budget], self.seconds[budget]
+        return tokens.value / seconds.value if tokens.count and seconds.value > 0 else None
+
+    def best_budget(self) -> int:
+        """The measured budget with the highest tokens/s (the smaller budget on a tie; 0 before any)."""
+        best, best_rate = 0, -1.0
+        for budget in self.budgets:
+            rate = self.tokens_per_second(budget)
+            if rate is not None and rate > best_rate * (1 + 1e-9):
+                best, best_rate = budget, rate
+        return best
+
+    def choose(self) -> int:
+        """The node budget for the next step (0 = a plain decoding step)."""
+        self.steps += 1
+        if self._warmup:
+            return self._warmup.pop(0)
+        best = self.best_budget()
+        if self.steps < self._next_explore:
+            return best
+        same = best == self._best_at_last_explore
+        self._interval = min(self._interval * 2, self._explore_max) if same else self._explore_min
+        self._best_at_last_explore = best
+        self._next_explore = self.steps + self._interval
+        i = self.budgets.index(best)
+        probes = [self.budgets[j] for j in (i + 1, i - 1) if 0 <= j < len(self.budgets)] + [0]
+        candidates = [b for b in dict.fromkeys(probes) if b != best]
+        if not candidates:
+            return best
+        choice = candidates[self._explore_turn % len(candidates)]
+        self._explore_turn += 1
+        return choice
+
+    def summary(self) -> dict:
+        return {
+            "steps": self.steps,
+            "best_budget": self.best_budget(),
+            "tokens_per_step": {b: m.value for b, m in self.tokens.items() if m.count},
+            "seconds_per_step": {b: m.value for b, m in self.seconds.items() if m.count},
+            "tokens_per_second": {b: self.tokens_per_second(b) for b in self.budgets},
+        }

@@ -66,9 +66,22 @@ class TreeSpec:
         parts = [p.strip() for p in text.split(",")]
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
             raise ValueError(
-                f"--tree takes depth,top_k,total_tokens as three integers, e.g. 5,8,48 (got {text!r})"
+                f"--tree takes depth,top_k,total_tokens as three integers, e.g. 5,8,48, or depth,top_k,auto "
+                f"(got {text!r})"
             )
         return cls(*(int(p) for p in parts))
+
+    @staticmethod
+    def parse_policy(text: str, budgets: tuple[int, ...] | None = None):
+        """``--tree`` as eval takes it: ``"5,8,48"`` → TreeSpec; ``"5,8,auto"`` → a fresh TreeBudget
+        factory's arguments, returned as a TreeBudget (decode/cost_model.py) choosing total_tokens."""
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) == 3 and parts[2] == "auto":
+            from draftsmith.decode.cost_model import TreeBudget
+
+            spec = TreeSpec.parse(f"{parts[0]},{parts[1]},1")
+            return TreeBudget(spec.depth, spec.top_k, **({"budgets": budgets} if budgets else {}))
+        return TreeSpec.parse(text)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from draftsmith.decode.cost_model import TreeBudget
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.speculative import GREEDY, GenerationResult, commit_tokens
 from draftsmith.decode.target import Target, TargetStep
@@ -138,16 +139,21 @@ def generate_tree(
     target: Target,
     prompt: torch.Tensor,
     drafter: Drafter,
-    tree: TreeSpec,
+    tree: TreeSpec | TreeBudget,
     max_new_tokens: int = 256,
     sampling: Sampling = GREEDY,
     generator: torch.Generator | None = None,
 ) -> GenerationResult:
     """Generate up to max_new_tokens after prompt [S] with tree drafting; stop after an EOS token.
 
+    ``tree``: a fixed shape, or a ``TreeBudget`` that picks the node budget per step from measured
+    tokens/s (budget 0 = a plain decoding step; ``result.chosen_k`` lists the budgets it picked).
     ``result.proposed[i]`` is the depth of step i's tree (the most tokens it could accept), so α and
     the per-position rates read as for a chain of that length.
     """
+    policy = tree if isinstance(tree, TreeBudget) else None
+    if policy is not None:
+        tree = TreeSpec(policy.depth, policy.top_k, max(policy.budgets[-1], 1))
     if not drafter.supports_tree:
         drafter.propose_tree(prompt, tree, sampling, generator)  # raises the drafter's own clear error
     device = target.device
@@ -167,12 +173,12 @@ def generate_tree(
     tokens = torch.cat([prompt, torch.tensor([first], device=device)])
 
     while first not in target.eos_ids and len(result.tokens) < max_new_tokens:
+        budget = policy.choose() if policy is not None else tree.total_tokens
         depth = min(tree.depth, max_new_tokens - len(result.tokens) - 1)  # never draft past the budget
+        depth = depth if budget > 0 else 0
         t0 = time.perf_counter()
         if depth > 0:
-            draft = drafter.propose_tree(
-                tokens, TreeSpec(depth, tree.top_k, tree.total_tokens), sampling, generator
-            )
+            draft = drafter.propose_tree(tokens, TreeSpec(depth, tree.top_k, budget), sampling, generator)
         else:
             draft = DraftTree.chain(int(tokens[-1]), [], device)
         _sync(device)
@@ -195,6 +201,10 @@ def generate_tree(
         result.target_forwards += 1
         result.accepted.append(len(path))
         result.proposed.append(draft.depth)
+        if policy is not None:
+            if depth == tree.depth or budget == 0:  # a tree cut short by max_new_tokens says little
+                policy.record(budget, len(path) + 1, t2 - t0)
+            result.chosen_k.append(budget)
 
         tokens = commit_tokens(result, tokens, draft.tokens[path].tolist() + [nxt], target.eos_ids)
         if result.stopped_by == "eos":

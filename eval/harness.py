@@ -10,6 +10,7 @@ runs through the tree decoder (``decode/tree_decode.py``); the baseline stays th
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.decode.cost_model import CostModel
+from draftsmith.decode.cost_model import CostModel, TreeBudget
 from draftsmith.decode.sampling import Sampling
 from draftsmith.decode.speculative import KPolicy, generate
 from draftsmith.decode.target import Target
@@ -71,13 +72,13 @@ def run_prompt(
     max_new_tokens: int,
     sampling: Sampling,
     seed: int,
-    tree: TreeSpec | None = None,
+    tree: TreeSpec | TreeBudget | None = None,
     chosen_k: Counter[int] | None = None,
 ) -> tuple[list[list[int]], RunStats]:
     """Generate an answer to every turn of ``prompt``; turn i+1 sees the method's own answer to turn i.
 
     With ``tree`` a drafter proposes token trees of that shape instead of chains of k tokens.
-    ``chosen_k`` (optional) counts the k used at each verify step.
+    ``chosen_k`` (optional) counts the k (or tree budget) used at each verify step.
     """
     generator = torch.Generator(device=target.device).manual_seed(seed)
     conversation: list[dict[str, str]] = []
@@ -109,14 +110,17 @@ def warm_up(
     max_new_tokens: int,
     sampling: Sampling,
     seed: int,
-    tree: TreeSpec | None = None,
+    tree: TreeSpec | TreeBudget | None = None,
 ) -> None:
     """One short untimed generation per method and prompt (first turn only): kernels, caches, allocator."""
     for prompt in prompts:
         ids = render(target.tokenizer, [{"role": "user", "content": prompt.turns[0]}])
         for _, drafter in methods:
             generator = torch.Generator(device=target.device).manual_seed(seed)
-            _generate(target, ids, drafter, k, tree, min(max_new_tokens, WARMUP_TOKENS), sampling, generator)
+            throwaway = copy.deepcopy(tree) if isinstance(tree, TreeBudget) else tree
+            _generate(
+                target, ids, drafter, k, throwaway, min(max_new_tokens, WARMUP_TOKENS), sampling, generator
+            )
 
 
 def _short(name: str) -> str:
@@ -133,7 +137,7 @@ def evaluate(
     seed: int = 0,
     warmup: int = 1,
     progress: bool | None = None,
-    tree: TreeSpec | None = None,
+    tree: TreeSpec | TreeBudget | None = None,
     k_max: int = 8,
 ) -> EvalResult:
     """Run the target alone and every ``(name, drafter)`` over ``prompts``; compare outputs when greedy.
@@ -142,7 +146,8 @@ def evaluate(
     ``tree``: draft token trees of this shape (every drafter must support it) instead of k-token chains.
     ``k="auto"``: each drafter gets one cost model (``decode/cost_model.py``, k in 0..``k_max``) that
     learns from a fresh start over the timed prompts and keeps what it learned from prompt to prompt;
-    the warm-up runs on throwaway models.
+    the warm-up runs on throwaway models. A ``TreeBudget`` as ``tree`` works the same way: each drafter
+    gets its own copy, which picks the tree's node budget per step.
     """
     sampling = sampling if sampling is not None else Sampling()
     if not prompts:
@@ -162,13 +167,15 @@ def evaluate(
     results = [MethodResult(name) for name, _ in methods]
     warm_up(target, methods, prompts[: max(warmup, 0)], k, max_new_tokens, sampling, seed, tree)
     policies: list[KPolicy] = [0] + [CostModel(k_max=k_max) if k == "auto" else k for _ in drafts]
+    trees = [None] + [copy.deepcopy(tree) if isinstance(tree, TreeBudget) else tree for _ in drafts]
 
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=None if progress is None else not progress)
     for prompt in bar:
-        for (_, drafter), result, policy in zip(methods, results, policies):
-            chosen = result.chosen_k if k == "auto" and drafter is not None else None
+        for (_, drafter), result, policy, shape in zip(methods, results, policies, trees):
+            adaptive = k == "auto" if tree is None else isinstance(tree, TreeBudget)
+            chosen = result.chosen_k if adaptive and drafter is not None else None
             outputs, stats = run_prompt(
-                target, drafter, prompt, policy, max_new_tokens, sampling, seed, tree, chosen
+                target, drafter, prompt, policy, max_new_tokens, sampling, seed, shape, chosen
             )
             result.record(prompt.category, stats, outputs)
         if drafts:

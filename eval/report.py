@@ -195,7 +195,11 @@ def format_markdown(report: dict) -> str:
             out.append(f"| {d['name']} | " + " | ".join(cells) + " |")
         chosen = [(d["name"], d["chosen_k"]) for d in report["drafts"] if d.get("chosen_k")]
         if chosen:
-            out += ["", "k chosen by the cost model (verify steps per k; 0 = plain decoding):", ""]
+            out += [
+                "",
+                "k (or tree node budget) chosen online (verify steps per choice; 0 = plain decoding):",
+                "",
+            ]
             out += [f"- {name}: " + ", ".join(f"k={k}: {n}" for k, n in ks.items()) for name, ks in chosen]
     if report["drafts"]:
         out += ["", "![per-position acceptance and τ by category](acceptance.png)"]

@@ -134,7 +134,7 @@ def test_eval_with_cost_model_k(model_dir, prompts_file, tmp_path):
         chosen = {int(k): n for k, n in d["chosen_k"].items()}
         assert set(chosen) <= set(range(5))
         assert sum(chosen.values()) == sum(n for _, _, n in d["acceptance"]["steps"])
-    assert "k chosen by the cost model" in (out / "report.md").read_text()
+    assert "chosen online" in (out / "report.md").read_text()
 
 
 def test_k_must_be_a_number_or_auto(capsys):

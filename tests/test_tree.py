@@ -13,6 +13,7 @@ import torch
 from tiny import ARCHS, tiny_model, tiny_target, tiny_tokenizer
 
 from draftsmith.cli import main
+from draftsmith.decode.cost_model import TreeBudget
 from draftsmith.decode.sampling import Sampling, to_probs
 from draftsmith.decode.speculative import generate
 from draftsmith.decode.tree import (
@@ -178,6 +179,45 @@ def test_greedy_tree_decoding_equals_target_greedy(arch):
     assert sum(result.accepted) > len(result.accepted) // 2  # the true path was found on many steps
     assert result.target_forwards == len(result.accepted) + 1 < NEW
     assert target.length == PROMPT_LEN + NEW - 1
+
+
+def test_tree_budget_chosen_online_keeps_greedy_output():
+    target = no_eos(tiny_target("llama"))
+    baseline = generate(target, prompt(), None, max_new_tokens=NEW)
+    drafter = ScriptedTreeDrafter(prompt().tolist() + baseline.tokens)
+    policy = TreeBudget(4, 3, budgets=(0, 2, 6, 12), warmup_rounds=1)
+    result = generate_tree(target, prompt(), drafter, policy, max_new_tokens=NEW)
+    assert result.tokens == baseline.tokens
+    assert set(result.chosen_k) <= {0, 2, 6, 12} and result.chosen_k[:4] == [0, 12, 6, 2]
+    assert len(result.chosen_k) == len(result.accepted)
+    assert all(a == 0 for a, b in zip(result.accepted, result.chosen_k) if b == 0)  # plain steps
+
+
+def _feed_budget(policy: TreeBudget, steps: int, tokens, seconds) -> list[int]:
+    chosen = []
+    for _ in range(steps):
+        b = policy.choose()
+        chosen.append(b)
+        policy.record(b, tokens(b), seconds(b))
+    return chosen
+
+
+def test_tree_budget_picks_the_fastest_measured_budget_and_falls_back_to_plain():
+    # tokens per step saturate with the budget; a step costs 10 ms + 1 ms per node: 16 nodes wins
+    policy = TreeBudget(5, 4, budgets=(0, 4, 16, 64))
+    tokens = {0: 1, 4: 1.5, 16: 3.5, 64: 3.8}
+    chosen = _feed_budget(policy, 300, tokens.get, lambda b: 0.010 + 0.001 * b)
+    assert policy.best_budget() == 16 and chosen[-100:].count(16) > 90
+    # a useless draft that costs 5 ms a step: plain decoding wins
+    policy = TreeBudget(5, 4, budgets=(0, 4, 16, 64))
+    chosen = _feed_budget(policy, 300, lambda b: 1, lambda b: 0.010 + 0.005 * (b > 0) + 0.001 * b)
+    assert policy.best_budget() == 0 and chosen[-100:].count(0) > 90
+    with pytest.raises(ValueError, match="not one of"):
+        policy.record(5, 1, 0.01)
+    assert TreeSpec.parse_policy("5,8,48") == TreeSpec(5, 8, 48)
+    assert isinstance(TreeSpec.parse_policy("5,8,auto"), TreeBudget)
+    with pytest.raises(ValueError, match="depth,top_k,auto"):
+        TreeSpec.parse_policy("5,auto,8")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -405,5 +445,9 @@ def test_eval_cli_with_tree(tmp_path, capsys):
     capsys.readouterr()
     assert main([*argv, "--draft", "layers:2", "--tree", "3,2,6"]) != 0
     assert "layers:2 draft chains only" in capsys.readouterr().err
+    assert main([*argv, "--draft", "ngram", "--tree", "3,2,auto", "--out", str(tmp_path / "auto")]) == 0
+    auto = json.loads((tmp_path / "auto" / "report.json").read_text())["drafts"][0]
+    assert auto["exact_match"] is True and set(auto["chosen_k"]) <= {"0", "4", "8", "16", "32", "48", "64"}
+    capsys.readouterr()
     assert main([*argv, "--draft", "ngram", "--tree", "3,2"]) != 0
     assert "depth,top_k,total_tokens" in capsys.readouterr().err
