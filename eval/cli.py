@@ -132,6 +132,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "decoding, for the baseline too); 'stock' keeps PyTorch's default kernels",
     )
     p.add_argument(
+        "--static-cache",
+        action="store_true",
+        help="preallocate the target's KV cache (sized from the prompts and --max-new-tokens) instead of growing "
+        "it; chain decoding only, models without sliding-window layers",
+    )
+    p.add_argument(
+        "--compile",
+        choices=["off", "default", "reduce-overhead"],
+        default="off",
+        help="torch.compile the target's decode steps (implies --static-cache; 'reduce-overhead' adds CUDA "
+        "graphs). Every step width compiles once during the warm-up; prompts run eagerly",
+    )
+    p.add_argument(
         "--warmup",
         type=int,
         default=1,
@@ -164,6 +177,10 @@ def _check(args: argparse.Namespace) -> list[str] | None:
         raise ValueError(f"--k must be at least 1 (draft tokens per verify step) or 'auto', got {args.k}")
     if args.k_max < 1:
         raise ValueError(f"--k-max must be at least 1, got {args.k_max}")
+    if args.tree is not None and (args.static_cache or args.compile != "off"):
+        raise ValueError(
+            "--tree verifies trees in a growing KV cache; drop --static-cache / --compile for tree runs"
+        )
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.warmup < 0:
@@ -188,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     from draftsmith.decode.target import load_target
     from draftsmith.decode.tree import TreeSpec
     from draftsmith.drafts import build_drafter
-    from draftsmith.eval.harness import evaluate
+    from draftsmith.eval.harness import evaluate, static_cache_length
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.eval.report import build_report, format_table, hardware_description, write_report
 
@@ -201,6 +218,11 @@ def run(args: argparse.Namespace) -> int:
     drafts = [(spec, build_drafter(spec, target)) for spec in args.drafts]
     if args.cpu_kernels == "packed":
         pack_for_decoding(target.model, *(drafter for _, drafter in drafts))
+    if args.static_cache or args.compile != "off":
+        k_max = args.k_max if args.k == "auto" else args.k
+        target.use_static_cache(static_cache_length(target, prompts, args.max_new_tokens, k_max))
+        if args.compile != "off":
+            target.compile(None if args.compile == "default" else args.compile)
     result = evaluate(
         target,
         drafts,

@@ -123,6 +123,18 @@ def warm_up(
             )
 
 
+def static_cache_length(
+    target: Target, prompts: Sequence[EvalPrompt], max_new_tokens: int, k_max: int
+) -> int:
+    """Positions a static KV cache needs for every conversation of ``prompts``: each turn rendered alone
+    (an upper bound on what it adds, template included) plus its answer, plus one verify pass of k_max + 1."""
+    longest = 0
+    for prompt in prompts:
+        turns = [len(render(target.tokenizer, [{"role": "user", "content": turn}])) for turn in prompt.turns]
+        longest = max(longest, sum(turns) + len(turns) * (max_new_tokens + 8))
+    return longest + k_max + 1
+
+
 def _short(name: str) -> str:
     return name.rstrip("/").rsplit("/", 1)[-1][:24]
 
