@@ -1,0 +1,230 @@
+"""Issue 7's GPU check, as one prepared script: decoder speed at batch 1 against the target alone.
+
+Part A, the bundled target (SmolLM2-135M-Instruct) in bfloat16: tokens/s of the target alone and of
+n-gram drafting (plus any ``--draft PATH``, e.g. an EAGLE head) on dev prompts, with the growing
+dynamic cache and with a static cache plus ``torch.compile`` (``--compile-mode``, CUDA graphs by
+default). Every output is compared with the target alone of the same setting.
+
+Part B, a random-init target shaped like Llama-3-8B (``--big``; 16 GB of bf16 weights) and a
+controlled-acceptance drafter: it knows the target's own greedy continuation (from a plain run) and
+proposes it, each token right with probability α (a wrong token ends the run of right ones), at no
+draft cost. Measured speedup is set against the ideal τ / (1 + k·c), where τ = (1 − α^(k+1)) / (1 − α)
+is the expected tokens per step and c the measured cost of a verify pass over a plain step, minus one
+(so 1 + k·c is what k + 1 tokens cost to verify, in plain steps).
+
+    python bench/gpu_check.py --out $OUT/gpu_check.json                 # on the GPU machine
+    python bench/gpu_check.py --tiny --limit 2 --max-new-tokens 16      # CPU smoke test of the script
+
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.decode.sampling import Sampling
+from draftsmith.decode.speculative import generate
+from draftsmith.decode.target import Target, load_target
+from draftsmith.drafts import build_drafter
+from draftsmith.drafts.base import Drafter, Proposal
+from draftsmith.eval.prompts import load_prompts, render
+from draftsmith.eval.report import hardware_description
+
+LLAMA3_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+)  # fmt: skip
+TINY = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024,
+)  # fmt: skip
+
+
+class ControlledDrafter(Drafter):
+    """Proposes the target's known greedy continuation; each token stays right with probability alpha."""
+
+    name = "controlled"
+
+    def __init__(self, reference: list[int], alpha: float, vocab_size: int, seed: int = 0):
+        self.reference, self.alpha, self.vocab_size = reference, alpha, vocab_size
+        self.rng = random.Random(seed)
+        self.prompt_len = 0
+
+    def begin(self, prompt: torch.Tensor, features) -> None:
+        self.prompt_len = prompt.numel()
+
+    def propose(self, tokens: torch.Tensor, k: int, sampling: Sampling, generator) -> Proposal:
+        done = tokens.numel() - self.prompt_len  # generated so far; the next true token is reference[done]
+        truth = self.reference[done : done + k]
+        out, right = [], True
+        for tok in truth:
+            right = right and self.rng.random() < self.alpha
+            out.append(tok if right else (tok + 1) % self.vocab_size)
+        return Proposal(torch.tensor(out, dtype=torch.long, device=tokens.device))
+
+    def commit(self, num_accepted: int, features) -> None:
+        pass
+
+
+def compile_widths(target: Target, prompt: torch.Tensor, k_max: int) -> None:
+    """Run every decode-step width 1..k_max + 1 once, so no compilation happens while timing."""
+    for width in range(1, k_max + 2):
+        target.reset()
+        target.forward(prompt.to(target.device))
+        target.forward(torch.zeros(width, dtype=torch.long, device=target.device))
+
+
+def timed(target: Target, prompts, drafter, k: int, max_new: int) -> dict:
+    tokens, seconds, steps, outputs = 0, 0.0, 0, []
+    verify = 0.0
+    for ids in prompts:
+        result = generate(target, ids, drafter, k=k, max_new_tokens=max_new)
+        tokens += len(result.tokens)
+        seconds += result.seconds
+        steps += len(result.accepted)
+        verify += result.verify_seconds
+        outputs.append(result.tokens)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "steps": steps,
+            "tau": (tokens - len(prompts)) / steps if steps else 1.0, "verify_seconds": verify,
+            "seconds_per_step": verify / steps if steps else 0.0, "outputs": outputs}  # fmt: skip
+
+
+def part_a(args, device: str) -> list[dict]:
+    target = load_target("smollm2-135m-instruct", device=device, dtype=args.dtype)
+    prompts = [
+        render(target.tokenizer, [{"role": "user", "content": q.turns[0]}])
+        for q in load_prompts(args.prompts, args.limit + 1, order="round-robin")
+    ]
+    warm, prompts = prompts[0], prompts[1:]
+    drafters = {spec: build_drafter(spec, target) for spec in ["ngram", *args.draft]}
+    rows = []
+    for setting in ("dynamic", "static+compile"):
+        if setting != "dynamic":
+            longest = max(p.numel() for p in [warm, *prompts])
+            target.use_static_cache(longest + args.max_new_tokens + args.k + 2)
+            target.compile(args.compile_mode)
+            compile_widths(target, warm, args.k)
+        methods = {"target alone": (None, 0), **{s: (d, args.k) for s, d in drafters.items()}}
+        for drafter, k in methods.values():  # warm-up: compiles every step width
+            generate(target, warm, drafter, k=k, max_new_tokens=args.max_new_tokens)
+        base = None
+        for name, (drafter, k) in methods.items():
+            r = timed(target, prompts, drafter, k, args.max_new_tokens)
+            base = base or r
+            rows.append({"part": "A", "setting": setting, "method": name, "tokens_per_s": r["tokens_per_s"],
+                         "speedup": r["tokens_per_s"] / base["tokens_per_s"], "tau": r["tau"],
+                         "exact": sum(a == b for a, b in zip(r["outputs"], base["outputs"])),
+                         "prompts": len(prompts)})  # fmt: skip
+    return rows
+
+
+def part_b(args, device: str) -> list[dict]:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    shape = TINY if args.tiny else LLAMA3_8B
+    config = LlamaConfig(**shape, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(getattr(torch, args.dtype))
+    tokenizer = AutoTokenizer.from_pretrained(_smollm2_dir())  # only for the Target wrapper; ids are random
+    target = Target(
+        model.eval(), tokenizer, "random-llama3-8b-shape" if not args.tiny else "random-tiny-llama"
+    )
+    target.eos_ids = set()
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, config.vocab_size, (args.big_prompt_len,), generator=g)
+        for _ in range(args.limit + 1)
+    ]
+    if args.big_compile:
+        target.use_static_cache(args.big_prompt_len + args.max_new_tokens + max(args.big_ks) + 2)
+        target.compile(args.compile_mode)
+        compile_widths(target, prompts[0], max(args.big_ks))
+    references = [generate(target, p, None, max_new_tokens=args.max_new_tokens).tokens for p in prompts]
+    base = timed(target, prompts[1:], None, 0, args.max_new_tokens)
+    plain_step = base["seconds_per_step"]
+    rows = []
+    for k in args.big_ks:
+        for alpha in args.alphas:
+            speeds = []
+            for i, p in enumerate(prompts):
+                drafter = ControlledDrafter(references[i], alpha, config.vocab_size, seed=i)
+                r = timed(target, [p], drafter, k, args.max_new_tokens)
+                if i:  # prompt 0 warms up (and compiles) this k
+                    speeds.append(r)
+            tokens = sum(r["tokens"] for r in speeds)
+            seconds = sum(r["seconds"] for r in speeds)
+            steps = sum(r["steps"] for r in speeds)
+            verify_step = sum(r["verify_seconds"] for r in speeds) / steps  # a verify pass of k + 1 tokens
+            c = (verify_step / plain_step - 1.0) / k
+            tau_ideal = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1.0
+            measured = (tokens / seconds) / base["tokens_per_s"]
+            exact = sum(r["outputs"][0] == references[i + 1] for i, r in enumerate(speeds))
+            rows.append({"part": "B", "k": k, "alpha": alpha, "tau": (tokens - len(speeds)) / steps,
+                         "tau_ideal": tau_ideal, "c": c, "speedup": measured,
+                         "ideal_speedup": tau_ideal / (1 + k * c), "exact": exact, "prompts": len(speeds)})  # fmt: skip
+    return rows
+
+
+def _smollm2_dir() -> str:
+    from draftsmith.decode.target import SMOLLM2_ALIAS, resolve_model_path
+
+    return resolve_model_path(SMOLLM2_ALIAS)[0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", default="../shared/data/dev/prompts.jsonl")
+    p.add_argument("--limit", type=int, default=6, help="timed prompts (one more warms up)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument(
+        "--draft", action="append", default=[], help="another draft for part A (e.g. an EAGLE head)"
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument(
+        "--compile-mode", default="reduce-overhead", help="torch.compile mode (reduce-overhead = CUDA graphs)"
+    )
+    p.add_argument("--parts", default="AB", help="A, B or AB")
+    p.add_argument("--big-ks", type=int, nargs="+", default=[2, 4, 6])
+    p.add_argument("--alphas", type=float, nargs="+", default=[0.6, 0.8])
+    p.add_argument("--big-prompt-len", type=int, default=128)
+    p.add_argument("--big-compile", action="store_true", help="part B with static cache + compile as well")
+    p.add_argument("--tiny", action="store_true", help="part B on a tiny random Llama (a CPU smoke test)")
+    p.add_argument("--out", default="bench/results/gpu_check.json")
+    args = p.parse_args()
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    start = time.perf_counter()
+    rows = []
+    if "A" in args.parts:
+        rows += part_a(args, device)
+        for r in rows:
+            print(f"A {r['setting']:<15} {r['method']:<28} {r['tokens_per_s']:8.1f} tok/s {r['speedup']:5.2f}x "
+                  f"τ {r['tau']:.2f} exact {r['exact']}/{r['prompts']}", flush=True)  # fmt: skip
+    if "B" in args.parts:
+        for r in part_b(args, device):
+            rows.append(r)
+            print(f"B k={r['k']} α={r['alpha']:.2f}  τ {r['tau']:.2f} (ideal {r['tau_ideal']:.2f})  c {r['c']:.3f}  "
+                  f"speedup {r['speedup']:.2f}x (ideal {r['ideal_speedup']:.2f}x)  exact {r['exact']}/{r['prompts']}",
+                  flush=True)  # fmt: skip
+    result = {
+        "hardware": hardware_description(torch.device(device), getattr(torch, args.dtype)),
+        "date": time.strftime("%Y-%m-%d"),
+        "settings": vars(args),
+        "seconds": time.perf_counter() - start,
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out} ({result['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
