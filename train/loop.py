@@ -139,8 +139,8 @@ class DraftModule(L.LightningModule):
         # the loss logged is the mean over all ranks: the same curve on any number of processes
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=size, sync_dist=True)
         for name, value in out.items():
-            if name != "loss":
-                self.log(f"train/{name}", value, batch_size=size)
+            if name != "loss":  # counts (num_tokens) are logged as floats: Lightning averages what it logs
+                self.log(f"train/{name}", torch.as_tensor(value, dtype=torch.float32), batch_size=size)
         return out["loss"]
 
     def on_validation_epoch_start(self) -> None:
@@ -151,6 +151,7 @@ class DraftModule(L.LightningModule):
         out = self.objective.loss(self.draft, batch, teacher)
         size = int(batch.input_ids.shape[0])
         for name, value in out.items():
+            value = torch.as_tensor(value, dtype=torch.float32)
             self.log(f"val/{name}", value, batch_size=size, sync_dist=True, prog_bar=False)
         hist = self.objective.acceptance(self.draft, batch, teacher, self.config.trainer.val_k)
         self._val_hist += hist.to(self._val_hist)
