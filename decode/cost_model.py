@@ -14,7 +14,8 @@ verifying. From that it keeps
   (n = 1 is one plain target forward: decoding without speculation), each a slowly forgetting
   mean; draft time is interpolated linearly between measured ks; a one-token pass (plain decoding)
   keeps its own mean, and verify passes of two or more tokens are one straight line fitted over
-  every measured width (weighted by samples), which rides out noisy single timings;
+  every measured width (weighted by samples), which rides out noisy single timings; each k's own
+  verify mean is blended with that line (``PRIOR_SAMPLES`` pseudo-samples of the line);
 - the mean number of tokens actually proposed per asked k (an n-gram drafter often finds fewer).
 
 Expected tokens per verify step for k: ``E(k) = 1 + sum_{i=1..k} prod_{j<i} a_j``; expected seconds:
@@ -80,8 +81,8 @@ def linear_fit(points: dict[int, RunningMean], x: float, max_weight: float) -> f
     return max(mean_y + slope * (x - mean_x), 0.0)
 
 
-MIN_SAMPLES = 3
-"""Verify passes asked with a given k before their own mean replaces the width model for that k."""
+PRIOR_SAMPLES = 8.0
+"""Pseudo-samples of the width line in a k's verify-cost estimate: its own mean takes over as it is measured."""
 
 
 class CostModel:
@@ -116,7 +117,7 @@ class CostModel:
         self.verify_by_k: dict[int, RunningMean] = {}
         """k asked -> seconds of the verify pass. A drafter whose proposals vary in length (an n-gram
         draft finds no match, then a long one) mixes cheap one-token passes with dear wide ones; the
-        mean of that mixture is not the cost at the mean width."""
+        mean of that mixture is not the cost at the mean width, so it is blended in (``step_seconds``)."""
         self.steps = 0
         self.start_k = min(start_k, k_max)
         self._warmup = [0, self.start_k]  # plain cost first, then a first speculative k
@@ -185,12 +186,14 @@ class CostModel:
 
     def step_seconds(self, k: int) -> float | None:
         """Expected seconds of one verify step with k asked: draft call + verify pass over the expected proposal."""
+        mean_proposed = self.proposed_len[k].value if k in self.proposed_len else float(k)
+        verify = self.verify_seconds(1 + (mean_proposed if k else 0.0))
         measured = self.verify_by_k.get(k)
-        if k and measured is not None and measured.count >= MIN_SAMPLES:
-            verify = measured.value  # measured for this k: the real mixture of proposal lengths
-        else:
-            mean_proposed = self.proposed_len[k].value if k in self.proposed_len else float(k)
-            verify = self.verify_seconds(1 + (mean_proposed if k else 0.0))
+        if k and verify is not None and measured is not None and measured.count:
+            # this k's own mean (the real mixture of proposal lengths), shrunk towards the width line:
+            # a few noisy timings of one k must not flip the choice between ks that cost alike
+            n = min(float(measured.count), 1.0 / self.decay)
+            verify = (n * measured.value + PRIOR_SAMPLES * verify) / (n + PRIOR_SAMPLES)
         return None if verify is None else self.draft_seconds(k) + verify
 
     def tokens_per_second(self, k: int) -> float | None:

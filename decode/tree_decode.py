@@ -185,7 +185,8 @@ def generate_tree(
         t1 = time.perf_counter()
         if draft.tokens.device != device:
             draft = DraftTree(draft.tokens.to(device), draft.parents.to(device))
-        step = tree_forward(target, draft)
+        # a tree with no draft nodes (a plain step, or the last token) takes the plain path: no 4-D mask
+        step = tree_forward(target, draft) if len(draft) > 1 else target.forward(draft.tokens)
         if sampling.greedy:
             path, nxt = verify_tree_greedy(draft, step.logits)
         else:

@@ -3,7 +3,9 @@
 The drafter's KV cache holds one entry per pair (feature_t, token_{t+1}). Real pairs use the target's
 features; draft pairs use the head's own hidden state in place of the feature. Features of committed
 positions whose next token is not known yet wait in ``pending`` until the next ``propose``; ``commit``
-drops every draft pair and queues the real features the target just computed for the accepted tokens.
+drops every draft pair and queues the real features the target just computed for the accepted tokens
+(raw: they are fused in one batch at the next ``propose``, so a stretch of plain decoding steps — the
+cost model's k = 0 — costs the drafter almost nothing per step).
 
 Tree drafting (``propose_tree``) expands EAGLE-2-style (``decode/tree.py``): level by level, the
 ``top_k`` best-scored nodes of a depth run through the head together, each attending to the real
@@ -39,6 +41,7 @@ class EagleDrafter(Drafter):
             None  # [m, H] fused features of positions cached_len..cached_len+m-1
         )
         self.cached_len = 0  # real pairs in the cache
+        self._raw: list[dict[int, torch.Tensor]] = []  # committed features not yet fused into `pending`
 
     @torch.inference_mode()
     def begin(self, prompt: torch.Tensor, features: dict[int, torch.Tensor] | None) -> None:
@@ -49,6 +52,7 @@ class EagleDrafter(Drafter):
             )
         self.cache = DynamicCache()
         self.cached_len = 0
+        self._raw = []
         self.pending = self.head.fuse(features)
 
     def _step(self, feature: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -62,6 +66,9 @@ class EagleDrafter(Drafter):
 
     def _catch_up(self, tokens: torch.Tensor) -> torch.Tensor:
         """Cache the pending real pairs; the head's hidden state [1, H] that predicts the next token."""
+        if self._raw:
+            raw = {i: torch.cat([f[i] for f in self._raw]) for i in self._raw[0]}
+            self.pending, self._raw = torch.cat([self.pending, self.head.fuse(raw)]), []
         start, m = self.cached_len, self.pending.shape[0]
         next_ids = tokens[start + 1 : start + 1 + m]
         if next_ids.shape[0] != m or start + m != tokens.shape[0] - 1:
@@ -146,4 +153,4 @@ class EagleDrafter(Drafter):
         if not features:
             raise ValueError("the EAGLE drafter needs the target's features at every commit")
         rollback_cache(self.cache, self.cached_len)  # drop draft pairs: real features replace them
-        self.pending = torch.cat([self.pending, self.head.fuse(features)])
+        self._raw.append(features)

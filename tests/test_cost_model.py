@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import tiny_target
 
-from draftsmith.decode.cost_model import CostModel, RunningMean
+from draftsmith.decode.cost_model import PRIOR_SAMPLES, CostModel, RunningMean
 from draftsmith.decode.speculative import generate, resolve_k
 from draftsmith.drafts.base import build_drafter
 
@@ -55,7 +55,10 @@ def test_short_proposals_are_rejections_and_cheaper_verifies():
     # depth 0 judged twice (once not even proposed), accepted once; depth 2 judged once (not proposed)
     assert cm.attempted == [2, 1, 1, 0] and cm.accepted == [1, 1, 0, 0]
     assert cm.proposed_len[4].value == pytest.approx(1.0)
-    assert cm.step_seconds(4) == pytest.approx(0.001 + cm.verify_seconds(2))
+    # k = 4's own mean (0.025 s over 2 passes) blended with the width line at the mean width 2
+    line = cm.verify_seconds(2)
+    blended = (2 * 0.025 + PRIOR_SAMPLES * line) / (2 + PRIOR_SAMPLES)
+    assert cm.step_seconds(4) == pytest.approx(0.001 + blended)
 
 
 def feed(cm: CostModel, steps: int, accept, draft_cost: float, verify_base: float = 0.02) -> list[int]:

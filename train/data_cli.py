@@ -62,14 +62,24 @@ def add_parser(subparsers) -> None:
     regen.add_argument(
         "--dtype", default="float32", choices=list(DTYPES), help="target weights (default: float32)"
     )
+    regen.add_argument(
+        "--cpu-kernels",
+        choices=["packed", "stock"],
+        default="packed",
+        help="CPU float32: run the target's linear layers on prepacked oneDNN weights (default; "
+        "decode/cpu_kernels.py) or PyTorch's stock kernels",
+    )
     regen.set_defaults(func=run_regenerate)
 
 
 def run_regenerate(args: argparse.Namespace) -> int:
+    from draftsmith.decode.cpu_kernels import pack_linears
     from draftsmith.decode.target import load_causal_lm
     from draftsmith.train.regenerate import regenerate
 
     model, tokenizer, name = load_causal_lm(args.target, args.device, args.dtype)
+    if args.cpu_kernels == "packed":
+        pack_linears(model)  # a no-op off the CPU or outside float32
     stats = regenerate(
         model,
         tokenizer,
