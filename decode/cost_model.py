@@ -27,6 +27,7 @@ change the answer, which bounds what exploring costs.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 
@@ -97,6 +98,8 @@ class CostModel:
         decay: float = 0.05,
         explore_min: int = 8,
         explore_max: int = 64,
+        thompson: bool = True,
+        seed: int = 0,
     ):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
@@ -106,6 +109,8 @@ class CostModel:
             raise ValueError(f"need 1 <= explore_min <= explore_max, got {explore_min}, {explore_max}")
         self.k_max = k_max
         self.prior_acceptance, self.prior_weight, self.decay = prior_acceptance, prior_weight, decay
+        self.thompson = thompson
+        self._rng = random.Random(seed)
         self.attempted = [0] * k_max
         self.accepted = [0] * k_max
         self.draft_time: dict[int, RunningMean] = {}
@@ -147,22 +152,32 @@ class CostModel:
 
     # -- the estimates --------------------------------------------------------------------------
 
-    def acceptance_rates(self) -> list[float]:
-        """``[i]`` = estimated P(draft token i accepted | tokens 0..i-1 accepted), i < k_max."""
+    def acceptance_rates(self, sample: bool = False) -> list[float]:
+        """``[i]`` = estimated P(draft token i accepted | tokens 0..i-1 accepted), i < k_max.
+
+        ``sample``: for depths >= 1, one draw from the Beta posterior whose mean is the estimate
+        (Thompson sampling: a deep position measured a few times is drawn from a wide range, so deeper
+        ks get tried). Depth 0 keeps its mean, so a draft rarely accepted at all is not drafted for
+        the sake of exploring.
+        """
         rates, prior, w = [], self.prior_acceptance, self.prior_weight
         for tried, kept in zip(self.attempted, self.accepted):
             rate = (kept + w * prior) / (tried + w)
-            rates.append(rate)
+            if sample and rates:  # depth 0 stays at its mean: it alone decides whether to draft at all
+                a, b = kept + w * prior, tried - kept + w * (1.0 - prior)
+                rates.append(self._rng.betavariate(a, b) if a > 0 and b > 0 else rate)
+            else:
+                rates.append(rate)
             # the next depth shrinks towards this rate but never below prior_acceptance: a depth with
             # little data stays worth measuring (an n-gram draft's later positions are accepted far
             # more often than its first — once a match is right it tends to stay right)
             prior = max(rate, self.prior_acceptance)
         return rates
 
-    def expected_tokens(self, k: int) -> float:
+    def expected_tokens(self, k: int, rates: list[float] | None = None) -> float:
         """Tokens committed per verify step with k drafts: 1 + sum over i < k of P(first i+1 accepted)."""
         total, survive = 1.0, 1.0
-        for rate in self.acceptance_rates()[:k]:
+        for rate in (self.acceptance_rates() if rates is None else rates)[:k]:
             survive *= rate
             total += survive
         return total
@@ -196,15 +211,16 @@ class CostModel:
             verify = (n * measured.value + PRIOR_SAMPLES * verify) / (n + PRIOR_SAMPLES)
         return None if verify is None else self.draft_seconds(k) + verify
 
-    def tokens_per_second(self, k: int) -> float | None:
+    def tokens_per_second(self, k: int, rates: list[float] | None = None) -> float | None:
         seconds = self.step_seconds(k)
-        return None if seconds is None or seconds <= 0 else self.expected_tokens(k) / seconds
+        return None if seconds is None or seconds <= 0 else self.expected_tokens(k, rates) / seconds
 
-    def best_k(self) -> int:
-        """The k in 0..k_max with the highest expected tokens/s (the smaller k on a tie)."""
+    def best_k(self, rates: list[float] | None = None) -> int:
+        """The k in 0..k_max with the highest expected tokens/s (the smaller k on a tie); ``rates``
+        replaces the estimated acceptance rates (a Thompson draw)."""
         best, best_rate = 0, -1.0
         for k in range(self.k_max + 1):
-            rate = self.tokens_per_second(k)
+            rate = self.tokens_per_second(k, rates)
             if rate is not None and rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
         return best
@@ -218,7 +234,9 @@ class CostModel:
             return self._warmup.pop(0)
         best = self.best_k()
         if self.steps < self._next_explore:
-            return best
+            # Thompson sampling: the best k under one draw of the acceptance rates. It equals the best k
+            # once the rates are well measured, and tries deeper ks while deep rates are uncertain.
+            return self.best_k(self.acceptance_rates(sample=True)) if self.thompson else best
         same = best == self._best_at_last_explore
         self._interval = min(self._interval * 2, self._explore_max) if same else self._explore_min
         self._best_at_last_explore = best

@@ -164,3 +164,69 @@ def test_varying_proposal_lengths_cost_what_was_measured_for_that_k():
         cm.record(k=4, proposed=4, accepted=2, draft_seconds=0.0, verify_seconds=0.09)
     assert cm.step_seconds(4) == pytest.approx(0.07, rel=0.1)
     assert cm.verify_seconds(3) == pytest.approx(0.09)  # the width model alone would say 0.09
+
+
+def test_thompson_draws_deep_rates_only_and_is_seeded():
+    def model(seed):
+        cm = CostModel(k_max=4, seed=seed)
+        cm.record(k=4, proposed=4, accepted=1, draft_seconds=0.0, verify_seconds=0.03)
+        return cm
+
+    means = model(0).acceptance_rates()
+    draws = [model(0).acceptance_rates(sample=True) for _ in range(2)]
+    assert draws[0] == draws[1]  # same seed, same draws
+    assert draws[0][0] == means[0]  # depth 0 decides whether to draft at all: never sampled
+    assert draws[0][1:] != means[1:]
+    assert model(1).acceptance_rates(sample=True)[1:] != draws[0][1:]
+
+
+def _simulated_rate(policy, steps: int, seed: int, step) -> float:
+    """Tokens/s of a policy (a fixed k or a CostModel) against a simulated drafter and target."""
+    import random
+
+    rng, tokens, seconds = random.Random(seed), 0, 0.0
+    for _ in range(steps):
+        k = policy.choose() if isinstance(policy, CostModel) else policy
+        proposed, accepted, draft, verify = step(k, rng)
+        if isinstance(policy, CostModel):
+            policy.record(k, proposed, accepted, draft, verify)
+        tokens, seconds = tokens + accepted + 1, seconds + draft + verify
+    return tokens / seconds
+
+
+def _verify(n: int) -> float:  # a CPU-like verify cost: a step from 1 to 2 tokens, then a gentle slope
+    return 0.045 if n <= 1 else 0.053 + 0.0015 * (n - 2)
+
+
+def _ngram_like(k, rng):
+    """No match 70% of the time (an empty proposal); a match's first token is kept 45% of the time,
+    later ones 85%: the best k is the largest, and k = 0 looks best to a model that has not seen depth."""
+    if k == 0 or rng.random() > 0.3:
+        return 0, 0, 0.0002, _verify(1) * rng.uniform(0.95, 1.1)
+    accepted = 0
+    while accepted < k and rng.random() < (0.45 if accepted == 0 else 0.85):
+        accepted += 1
+    return k, accepted, 0.0002, _verify(1 + k) * rng.uniform(0.95, 1.1)
+
+
+def _costly_head(k, rng):
+    """A feature-conditioned head: 5 ms per drafted token, first token kept 25% of the time."""
+    accepted = 0
+    while accepted < k and rng.random() < 0.25:
+        accepted += 1
+    return k, accepted, 0.0053 * k + (0.003 if k else 0.0), _verify(1 + k) * rng.uniform(0.95, 1.1)
+
+
+def test_auto_k_against_fixed_k_in_simulation():
+    """Issue 7's targets, on simulated timings: within 5% of the best fixed k, never slower than plain."""
+    seeds = range(6)
+
+    def mean_rate(policy_for_seed, step):
+        return sum(_simulated_rate(policy_for_seed(s), 400, s, step) for s in seeds) / len(seeds)
+
+    best_fixed = max(mean_rate(lambda s, k=k: k, _ngram_like) for k in range(1, 7))
+    auto = mean_rate(lambda s: CostModel(k_max=6, seed=s), _ngram_like)
+    assert auto >= 0.95 * best_fixed
+    plain = mean_rate(lambda s: 0, _costly_head)
+    auto = mean_rate(lambda s: CostModel(k_max=6, seed=s), _costly_head)
+    assert auto >= 0.97 * plain
