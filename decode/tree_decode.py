@@ -191,9 +191,12 @@ def generate_tree(
             path, nxt = verify_tree_greedy(draft, step.logits)
         else:
             path, nxt = verify_tree_sampled(draft, to_probs(step.logits, sampling), generator)
-        keep = torch.tensor([0, *path], device=device)
-        compact_cache(target.cache, len(draft), keep)
-        feats = {i: f[keep] for i, f in step.features.items()} if step.features else None
+        if len(draft) > 1:
+            keep = torch.tensor([0, *path], device=device)
+            compact_cache(target.cache, len(draft), keep)
+            feats = {i: f[keep] for i, f in step.features.items()} if step.features else None
+        else:  # a plain step: the cache already holds just the root, and its features are the only ones
+            feats = step.features
         drafter.commit_tree(path, feats)
         _sync(device)
         t2 = time.perf_counter()
