@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
+from draftsmith.decode.cost_model import CostModel
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import load_target
@@ -52,7 +53,9 @@ def hf_runner(target, **kwargs):
     return run
 
 
-def ds_runner(target, drafter, k: int):
+def ds_runner(target, drafter, k):
+    """draftsmith's decoder; k is fixed, or a CostModel kept across prompts (k = "auto")."""
+
     def run(prompt: torch.Tensor, max_new: int) -> list[int]:
         return generate(target, prompt, drafter, k=k, max_new_tokens=max_new).tokens
 
@@ -118,6 +121,8 @@ def main() -> None:
         name = Path(path).parent.name if Path(path).name == "draft" else Path(path).name
         methods[f"hf:assisted({name})"] = hf_runner(target, assistant_model=model)
         methods[f"ds:{name}"] = ds_runner(target, drafters[path], args.k)
+        # transformers adapts its assistant's draft length; draftsmith's counterpart is the cost model
+        methods[f"ds:{name}(k=auto)"] = ds_runner(target, drafters[path], CostModel(k_max=args.k))
     if args.cpu_kernels == "packed":
         pack_for_decoding(*models)
     rows = {}
