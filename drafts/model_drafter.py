@@ -8,10 +8,10 @@ drafts; ``commit`` crops it back to the accepted length, so nothing is recompute
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from draftsmith.decode.sampling import Sampling, sample, to_probs
-from draftsmith.decode.target import rollback_cache
+from draftsmith.decode.target import COMPILE_MAX_WIDTH, rollback_cache
 from draftsmith.drafts.base import Drafter, Proposal
 
 
@@ -22,15 +22,44 @@ class ModelDrafter(Drafter):
         self.model = model
         self.name = name
         self.cache_config = cache_config if cache_config is not None else model.config
-        self.cache: DynamicCache | None = None
+        self.cache: DynamicCache | StaticCache | None = None
+        self.static_cache_len: int | None = None
+        self._compiled = None
         self._base = 0  # committed length at the last propose
 
     def begin(self, prompt: torch.Tensor, features: dict[int, torch.Tensor] | None) -> None:
-        self.cache = DynamicCache(config=self.cache_config)
-        self.cache.activate_past_recording()
+        if self.static_cache_len is not None:
+            if isinstance(self.cache, StaticCache):
+                with torch.inference_mode():
+                    self.cache.reset()  # same buffers: compiled graphs keep their addresses
+            else:
+                self.cache = StaticCache(config=self.cache_config, max_cache_len=self.static_cache_len)
+        else:
+            self.cache = DynamicCache(config=self.cache_config)
+            self.cache.activate_past_recording()
+
+    def use_static_cache(self, max_len: int | None) -> None:
+        """Preallocate the draft's KV cache (as ``Target.use_static_cache``); None = a growing cache."""
+        if max_len is not None:
+            probe = StaticCache(config=self.cache_config, max_cache_len=max(max_len, 2))
+            if not probe.is_croppable:
+                raise ValueError(
+                    f"draft {self.name!r}: its static cache cannot be rolled back (sliding-window layers)"
+                )
+        self.static_cache_len, self.cache, self._compiled = max_len, None, None
+
+    def compile(self, mode: str | None = None) -> None:
+        """``torch.compile`` the draft's steps of at most ``COMPILE_MAX_WIDTH`` tokens (one graph per
+        width: 1 for each drafted token, up to k + 1 for the catch-up after a verify pass)."""
+        if self.static_cache_len is None:
+            raise ValueError("compile() needs a static KV cache: call use_static_cache(max_len) first")
+        self._compiled = torch.compile(self.model, dynamic=False, mode=mode)
 
     def _logits(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=ids.view(1, -1), cache=self.cache, use_cache=True, logits_to_keep=1)
+        model = (
+            self._compiled if self._compiled is not None and ids.numel() <= COMPILE_MAX_WIDTH else self.model
+        )
+        out = model(input_ids=ids.view(1, -1), cache=self.cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
@@ -40,7 +69,7 @@ class ModelDrafter(Drafter):
         self._base = tokens.shape[0]
         if k <= 0:
             return Proposal(tokens.new_empty(0))
-        logits = self._logits(tokens[self.cache.get_seq_length() :])
+        logits = self._logits(tokens[int(self.cache.get_seq_length()) :])
         drafted, dists = [], []
         for i in range(k):
             if sampling.greedy:

@@ -134,15 +134,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--static-cache",
         action="store_true",
-        help="preallocate the target's KV cache (sized from the prompts and --max-new-tokens) instead of growing "
-        "it; chain decoding only, models without sliding-window layers",
+        help="preallocate the KV caches of the target and of causal-LM drafts (sized from the prompts and "
+        "--max-new-tokens) instead of growing them; chain decoding only, models without sliding-window layers",
     )
     p.add_argument(
         "--compile",
         choices=["off", "default", "reduce-overhead"],
         default="off",
-        help="torch.compile the target's decode steps (implies --static-cache; 'reduce-overhead' adds CUDA "
-        "graphs). Every step width compiles once during the warm-up; prompts run eagerly",
+        help="torch.compile the decode steps of the target and of causal-LM drafts (implies --static-cache; "
+        "'reduce-overhead' adds CUDA graphs). Every step width compiles once, in the warm-up if it occurs there; "
+        "prompts run eagerly",
     )
     p.add_argument(
         "--warmup",
@@ -220,9 +221,13 @@ def run(args: argparse.Namespace) -> int:
         pack_for_decoding(target.model, *(drafter for _, drafter in drafts))
     if args.static_cache or args.compile != "off":
         k_max = args.k_max if args.k == "auto" else args.k
-        target.use_static_cache(static_cache_length(target, prompts, args.max_new_tokens, k_max))
-        if args.compile != "off":
-            target.compile(None if args.compile == "default" else args.compile)
+        length = static_cache_length(target, prompts, args.max_new_tokens, k_max)
+        mode = None if args.compile == "default" else args.compile
+        # the target, and every draft that is a causal LM with its own cache (EAGLE/Medusa heads stay eager)
+        for model in [target, *(d for _, d in drafts if hasattr(d, "use_static_cache"))]:
+            model.use_static_cache(length)
+            if args.compile != "off":
+                model.compile(mode)
     result = evaluate(
         target,
         drafts,

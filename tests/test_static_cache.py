@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_decode import no_eos, prompt
 from tiny import tiny_model, tiny_target, tiny_tokenizer
+from transformers import StaticCache
 
 from draftsmith.cli import main
 from draftsmith.decode.speculative import generate
@@ -54,10 +55,27 @@ def test_compiled_decode_steps_keep_greedy_output():
     target = no_eos(tiny_target("llama"))
     reference = generate(target, prompt(), None, max_new_tokens=20).tokens
     drafter = build_drafter("layers:2", target)
-    target.use_static_cache(64)
-    target.compile()
+    for model in (target, drafter):  # the target's verify steps and the draft's steps
+        model.use_static_cache(64)
+        model.compile()
     for _ in range(2):  # the second pass reuses the compiled graphs
-        assert generate(target, prompt(), drafter, k=3, max_new_tokens=20).tokens == reference
+        result = generate(target, prompt(), drafter, k=3, max_new_tokens=20)
+        assert result.tokens == reference
+    assert sum(result.accepted) > 0
+    assert isinstance(drafter.cache, StaticCache)
+
+
+def test_draft_static_cache_equals_dynamic():
+    target = no_eos(tiny_target("qwen2", layers=6))
+    reference = generate(target, prompt(), None, max_new_tokens=NEW).tokens
+    drafter = build_drafter("layers:3", target)
+    dynamic = generate(target, prompt(), drafter, k=4, max_new_tokens=NEW)
+    drafter.use_static_cache(prompt().numel() + NEW + 8)
+    static = generate(target, prompt(), drafter, k=4, max_new_tokens=NEW)
+    assert static.tokens == dynamic.tokens == reference
+    assert static.accepted == dynamic.accepted  # the draft proposed exactly the same tokens
+    with pytest.raises(ValueError, match="needs a static KV cache"):
+        build_drafter("layers:2", target).compile()
 
 
 def test_eval_cli_static_cache(tmp_path):
