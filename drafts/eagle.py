@@ -373,8 +373,10 @@ class EagleHead(PreTrainedModel):
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [..., H] → logits over the draft vocabulary [..., Vd]."""
-        weight = self.embed_tokens.weight if self.config.lm_head_is_embedding else self.lm_head.weight
-        logits = F.linear(self.norm(hidden), weight)
+        if self.config.lm_head_is_embedding:
+            logits = F.linear(self.norm(hidden), self.embed_tokens.weight)
+        else:  # a module call, so decoding's packed CPU kernels (decode/cpu_kernels.py) apply to it
+            logits = self.lm_head(self.norm(hidden))
         if self.config.logit_softcap:
             logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
         return logits
