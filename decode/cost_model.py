@@ -281,7 +281,7 @@ class TreeBudget:
         top_k: int,
         budgets: tuple[int, ...] = (0, 4, 8, 16, 32, 48, 64),
         decay: float = 0.05,
-        warmup_rounds: int = 2,
+        warmup_rounds: int = 1,
         explore_min: int = 8,
         explore_max: int = 64,
     ):
