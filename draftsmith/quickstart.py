@@ -1,4 +1,4 @@
-"""``draftsmith quickstart``: the whole pipeline once, on the bundled target, in about 11 minutes on a 2-core CPU.
+"""``draftsmith quickstart``: the whole pipeline once, on the bundled target, in about 10 minutes on a 2-core CPU.
 
 1. ``draftsmith train configs/quickstart.yaml``: an EAGLE-3 head on the shipped training
    conversations (ShareGPT chat, GSM8K math, GPTeacher code), the target running online;
@@ -27,7 +27,7 @@ TRAIN_FILES = ["sharegpt_1000.jsonl", "gsm8k_train.jsonl", "gpteacher_codegen.js
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "quickstart",
-        help="train an EAGLE-3 head on the bundled target and evaluate it (~11 min on a 2-core CPU)",
+        help="train an EAGLE-3 head on the bundled target and evaluate it (~10 min on a 2-core CPU)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
