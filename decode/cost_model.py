@@ -82,6 +82,46 @@ def linear_fit(points: dict[int, RunningMean], x: float, max_weight: float) -> f
     return max(mean_y + slope * (x - mean_x), 0.0)
 
 
+def best_of(options, rate) -> int:
+    """The option with the highest ``rate(option)`` (None = unmeasured); the earlier one on a tie, the
+    first option when none is measured."""
+    best, best_rate = options[0], -1.0
+    for option in options:
+        r = rate(option)
+        if r is not None and r > best_rate * (1 + 1e-9):
+            best, best_rate = option, r
+    return best
+
+
+class Exploration:
+    """When an online chooser explores, and what it tries. Exploration steps come every ``interval``
+    steps; the interval starts at ``low`` and doubles, up to ``high``, each time exploring finds the
+    same best choice, and resets when the best moves, which bounds what exploring costs once the
+    estimate settles. Each exploration tries the next of the given probes, in turn."""
+
+    def __init__(self, low: int, high: int, first: int):
+        if not 1 <= low <= high:
+            raise ValueError(f"need 1 <= explore_min <= explore_max, got {low}, {high}")
+        self.low, self.high = low, high
+        self.interval, self.next_step = low, first
+        self.turn = 0
+        self.last_best: int | None = None
+
+    def probe(self, step: int, best: int, probes) -> int | None:
+        """None when ``step`` is not an exploration step; else the next probe other than ``best``
+        (``best`` itself when there is none)."""
+        if step < self.next_step:
+            return None
+        self.interval = min(self.interval * 2, self.high) if best == self.last_best else self.low
+        self.last_best = best
+        self.next_step = step + self.interval
+        candidates = [c for c in dict.fromkeys(probes) if c != best]
+        if not candidates:
+            return best
+        self.turn += 1
+        return candidates[(self.turn - 1) % len(candidates)]
+
+
 PRIOR_SAMPLES = 8.0
 """Pseudo-samples of the width line in a k's verify-cost estimate: its own mean takes over as it is measured."""
 
@@ -105,8 +145,6 @@ class CostModel:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
         if not 0.0 <= prior_acceptance <= 1.0:
             raise ValueError(f"prior_acceptance must be in [0, 1], got {prior_acceptance}")
-        if not 1 <= explore_min <= explore_max:
-            raise ValueError(f"need 1 <= explore_min <= explore_max, got {explore_min}, {explore_max}")
         self.k_max = k_max
         self.prior_acceptance, self.prior_weight, self.decay = prior_acceptance, prior_weight, decay
         self.thompson = thompson
@@ -126,11 +164,7 @@ class CostModel:
         self.steps = 0
         self.start_k = min(start_k, k_max)
         self._warmup = [0, self.start_k]  # plain cost first, then a first speculative k
-        self._explore_min, self._explore_max = explore_min, explore_max
-        self._interval = explore_min
-        self._next_explore = explore_min
-        self._explore_turn = 0
-        self._best_at_last_explore: int | None = None
+        self._explore = Exploration(explore_min, explore_max, first=explore_min)
 
     # -- what was measured ----------------------------------------------------------------------
 
@@ -218,12 +252,7 @@ class CostModel:
     def best_k(self, rates: list[float] | None = None) -> int:
         """The k in 0..k_max with the highest expected tokens/s (the smaller k on a tie); ``rates``
         replaces the estimated acceptance rates (a Thompson draw)."""
-        best, best_rate = 0, -1.0
-        for k in range(self.k_max + 1):
-            rate = self.tokens_per_second(k, rates)
-            if rate is not None and rate > best_rate * (1 + 1e-9):
-                best, best_rate = k, rate
-        return best
+        return best_of(range(self.k_max + 1), lambda k: self.tokens_per_second(k, rates))
 
     # -- the policy -----------------------------------------------------------------------------
 
@@ -233,21 +262,15 @@ class CostModel:
         if self._warmup:
             return self._warmup.pop(0)
         best = self.best_k()
-        if self.steps < self._next_explore:
-            # Thompson sampling: the best k under one draw of the acceptance rates. It equals the best k
-            # once the rates are well measured, and tries deeper ks while deep rates are uncertain.
-            return self.best_k(self.acceptance_rates(sample=True)) if self.thompson else best
-        same = best == self._best_at_last_explore
-        self._interval = min(self._interval * 2, self._explore_max) if same else self._explore_min
-        self._best_at_last_explore = best
-        self._next_explore = self.steps + self._interval
         # neighbours, plain decoding, and a deep probe at start_k: from k = 0 its neighbour k = 1 alone
         # cannot show that deeper drafts pay off
-        probes = (best + 1, best - 1, 0, self.start_k)
-        candidates = [c for c in dict.fromkeys(probes) if 0 <= c <= self.k_max and c != best]
-        choice = candidates[self._explore_turn % len(candidates)]
-        self._explore_turn += 1
-        return choice
+        probes = [c for c in (best + 1, best - 1, 0, self.start_k) if 0 <= c <= self.k_max]
+        probe = self._explore.probe(self.steps, best, probes)
+        if probe is not None:
+            return probe
+        # Thompson sampling: the best k under one draw of the acceptance rates. It equals the best k
+        # once the rates are well measured, and tries deeper ks while deep rates are uncertain.
+        return self.best_k(self.acceptance_rates(sample=True)) if self.thompson else best
 
     def summary(self) -> dict:
         """What the model believes now, for reports: rates, costs and tokens/s per k, and the best k."""
@@ -298,11 +321,7 @@ class TreeBudget:
         self._warmup = [
             b for _ in range(warmup_rounds) for b in sorted(self.budgets, key=lambda b: (b != 0, -b))
         ]
-        self._explore_min, self._explore_max = explore_min, explore_max
-        self._interval = explore_min
-        self._next_explore = explore_min + len(self._warmup)
-        self._explore_turn = 0
-        self._best_at_last_explore: int | None = None
+        self._explore = Exploration(explore_min, explore_max, first=explore_min + len(self._warmup))
 
     def record(self, budget: int, committed: int, seconds: float) -> None:
         """One verify step with ``budget`` nodes committed ``committed`` tokens in ``seconds``."""
@@ -316,13 +335,8 @@ class TreeBudget:
         return tokens.value / seconds.value if tokens.count and seconds.value > 0 else None
 
     def best_budget(self) -> int:
-        """The measured budget with the highest tokens/s (the smaller budget on a tie; 0 before any)."""
-        best, best_rate = 0, -1.0
-        for budget in self.budgets:
-            rate = self.tokens_per_second(budget)
-            if rate is not None and rate > best_rate * (1 + 1e-9):
-                best, best_rate = budget, rate
-        return best
+        """The measured budget with the highest tokens/s (the smaller on a tie; the smallest before any)."""
+        return best_of(self.budgets, self.tokens_per_second)
 
     def choose(self) -> int:
         """The node budget for the next step (0 = a plain decoding step)."""
@@ -330,20 +344,10 @@ class TreeBudget:
         if self._warmup:
             return self._warmup.pop(0)
         best = self.best_budget()
-        if self.steps < self._next_explore:
-            return best
-        same = best == self._best_at_last_explore
-        self._interval = min(self._interval * 2, self._explore_max) if same else self._explore_min
-        self._best_at_last_explore = best
-        self._next_explore = self.steps + self._interval
         i = self.budgets.index(best)
         probes = [self.budgets[j] for j in (i + 1, i - 1) if 0 <= j < len(self.budgets)] + [0]
-        candidates = [b for b in dict.fromkeys(probes) if b != best]
-        if not candidates:
-            return best
-        choice = candidates[self._explore_turn % len(candidates)]
-        self._explore_turn += 1
-        return choice
+        probe = self._explore.probe(self.steps, best, probes)
+        return best if probe is None else probe
 
     def summary(self) -> dict:
         return {

@@ -36,10 +36,12 @@ class GenerationResult:
     seconds: float = 0.0
     stopped_by: str = "length"
     chosen_k: list[int] = field(default_factory=list)
-    """The k asked of the drafter at each verify step (fixed, or the cost model's pick), capped by the budget."""
+    """The k asked of the drafter at each verify step (fixed, or the cost model's pick), capped by the
+    budget; for tree decoding, each step's node budget (0 = a plain step)."""
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so wall-clock timings are real; a no-op on CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -100,13 +102,13 @@ def generate(
     target.reset()
     target.set_capture(drafter.capture_layers if drafter is not None else ())
 
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     step = target.forward(prompt)
     first = _pick(step.logits[-1], sampling, generator)
     if drafter is not None:
         drafter.begin(prompt, step.features)
-    _sync(device)
+    sync(device)
     result = GenerationResult(tokens=[first], target_forwards=1)
     result.prefill_seconds = time.perf_counter() - start
     tokens = torch.cat([prompt, torch.tensor([first], device=device)])
@@ -118,7 +120,7 @@ def generate(
         # never draft past the budget: at most `budget` tokens (drafts + 1) may be committed
         k_step = min(policy.choose() if policy is not None else k, budget - 1)
         proposal = drafter.propose(tokens, k_step, sampling, generator) if drafter else empty
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
         drafted = proposal.tokens.to(device)
         step = target.forward(torch.cat([tokens[-1:], drafted]))
@@ -130,7 +132,7 @@ def generate(
         if drafter is not None:
             feats = {i: f[: n + 1] for i, f in step.features.items()} if step.features else None
             drafter.commit(n, feats)
-        _sync(device)
+        sync(device)
         t2 = time.perf_counter()
         result.draft_seconds += t1 - t0
         result.verify_seconds += t2 - t1
@@ -146,6 +148,6 @@ def generate(
             break
     if first in target.eos_ids:
         result.stopped_by = "eos"
-    _sync(device)
+    sync(device)
     result.seconds = time.perf_counter() - start
     return result

@@ -72,15 +72,15 @@ class TreeSpec:
         return cls(*(int(p) for p in parts))
 
     @staticmethod
-    def parse_policy(text: str, budgets: tuple[int, ...] | None = None):
-        """``--tree`` as eval takes it: ``"5,8,48"`` → TreeSpec; ``"5,8,auto"`` → a fresh TreeBudget
-        factory's arguments, returned as a TreeBudget (decode/cost_model.py) choosing total_tokens."""
+    def parse_policy(text: str):
+        """``--tree`` as eval takes it: ``"5,8,48"`` → a TreeSpec; ``"5,8,auto"`` → a ``TreeBudget``
+        (decode/cost_model.py) that picks the node budget per step for that depth and top_k."""
         parts = [p.strip() for p in text.split(",")]
         if len(parts) == 3 and parts[2] == "auto":
             from draftsmith.decode.cost_model import TreeBudget
 
             spec = TreeSpec.parse(f"{parts[0]},{parts[1]},1")
-            return TreeBudget(spec.depth, spec.top_k, **({"budgets": budgets} if budgets else {}))
+            return TreeBudget(spec.depth, spec.top_k)
         return TreeSpec.parse(text)
 
 

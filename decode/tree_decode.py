@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from draftsmith.decode.cost_model import TreeBudget
 from draftsmith.decode.sampling import Sampling, sample, to_probs
-from draftsmith.decode.speculative import GREEDY, GenerationResult, commit_tokens
+from draftsmith.decode.speculative import GREEDY, GenerationResult, commit_tokens, sync
 from draftsmith.decode.target import Target, TargetStep
 from draftsmith.decode.tree import (
     DraftTree,
@@ -129,11 +129,6 @@ def compact_cache(cache: DynamicCache, appended: int, keep: torch.Tensor) -> Non
                 layer.values = layer.values[..., -layer.sliding_window + 1 :, :]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def generate_tree(
     target: Target,
@@ -147,7 +142,8 @@ def generate_tree(
     """Generate up to max_new_tokens after prompt [S] with tree drafting; stop after an EOS token.
 
     ``tree``: a fixed shape, or a ``TreeBudget`` that picks the node budget per step from measured
-    tokens/s (budget 0 = a plain decoding step; ``result.chosen_k`` lists the budgets it picked).
+    tokens/s (budget 0 = a plain decoding step). ``result.chosen_k`` lists each step's node budget
+    (0 for a plain step).
     ``result.proposed[i]`` is the depth of step i's tree (the most tokens it could accept), so α and
     the per-position rates read as for a chain of that length.
     """
@@ -161,13 +157,13 @@ def generate_tree(
     target.reset()
     target.set_capture(drafter.capture_layers)
 
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     step = target.forward(prompt)
     last = step.logits[-1]
     first = int(last.argmax(-1)) if sampling.greedy else int(sample(to_probs(last, sampling), generator))
     drafter.begin(prompt, step.features)
-    _sync(device)
+    sync(device)
     result = GenerationResult(tokens=[first], target_forwards=1)
     result.prefill_seconds = time.perf_counter() - start
     tokens = torch.cat([prompt, torch.tensor([first], device=device)])
@@ -181,7 +177,7 @@ def generate_tree(
             draft = drafter.propose_tree(tokens, TreeSpec(depth, tree.top_k, budget), sampling, generator)
         else:
             draft = DraftTree.chain(int(tokens[-1]), [], device)
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
         if draft.tokens.device != device:
             draft = DraftTree(draft.tokens.to(device), draft.parents.to(device))
@@ -198,23 +194,22 @@ def generate_tree(
         else:  # a plain step: the cache already holds just the root, and its features are the only ones
             feats = step.features
         drafter.commit_tree(path, feats)
-        _sync(device)
+        sync(device)
         t2 = time.perf_counter()
         result.draft_seconds += t1 - t0
         result.verify_seconds += t2 - t1
         result.target_forwards += 1
         result.accepted.append(len(path))
         result.proposed.append(draft.depth)
-        if policy is not None:
-            if depth == tree.depth or budget == 0:  # a tree cut short by max_new_tokens says little
-                policy.record(budget, len(path) + 1, t2 - t0)
-            result.chosen_k.append(budget)
+        result.chosen_k.append(budget if depth > 0 else 0)
+        if policy is not None and (depth == tree.depth or budget == 0):  # a tree cut short says little
+            policy.record(budget, len(path) + 1, t2 - t0)
 
         tokens = commit_tokens(result, tokens, draft.tokens[path].tolist() + [nxt], target.eos_ids)
         if result.stopped_by == "eos":
             break
     if first in target.eos_ids:
         result.stopped_by = "eos"
-    _sync(device)
+    sync(device)
     result.seconds = time.perf_counter() - start
     return result
