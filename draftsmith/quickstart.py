@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from itertools import zip_longest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,25 +49,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def first_user_turns(data: Path, count: int) -> list[dict]:
-    """``count`` single-turn conversations, taken from each training file in turn."""
-    from draftsmith.train.data import iter_conversations
-
-    def firsts(path: Path):
-        for index, messages in iter_conversations(path):
-            user = next((m for m in messages if m["role"] == "user"), None)
-            if user and 0 < len(user["content"]) <= 2000:
-                yield {"id": f"{path.name}:{index}", "messages": [user]}
-
-    streams = [firsts(data / "train" / name) for name in TRAIN_FILES]
-    chosen: list[dict] = []
-    for group in zip_longest(*streams):
-        chosen.extend(r for r in group if r is not None)
-        if len(chosen) >= count:
-            break
-    return chosen[:count]
-
-
 def training_finished(run_dir: Path, recipe: Path, overrides: list[str]) -> bool:
     """True when the exported draft already holds the recipe's last step (a rerun skips training)."""
     from draftsmith.train.config import load_config
@@ -82,6 +62,7 @@ def training_finished(run_dir: Path, recipe: Path, overrides: list[str]) -> bool
 
 def run(args: argparse.Namespace) -> int:
     from draftsmith.cli import main
+    from draftsmith.train.regenerate import first_user_turns
 
     data = Path(args.data)
     if not (data / "train").is_dir() or not (data / "dev" / "prompts.jsonl").is_file():
@@ -103,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         prompts, regenerated = out / "prompts.jsonl", out / "regenerated.jsonl"
         if not prompts.exists():
             tmp = prompts.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in first_user_turns(data, args.regenerate)))
+            rows = first_user_turns([data / "train" / name for name in TRAIN_FILES], args.regenerate)
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
             os.replace(tmp, prompts)
         step(
             "0/2 the target answers training prompts (self-distillation data)",

@@ -137,6 +137,19 @@ def test_eval_with_cost_model_k(model_dir, prompts_file, tmp_path):
     assert "chosen online" in (out / "report.md").read_text()
 
 
+def test_eval_with_int8_draft_weights(model_dir, prompts_file, tmp_path):
+    """The target's own weights as a separate draft, quantized: output still exact, acceptance high."""
+    out = tmp_path / "int8"
+    argv = ["eval", "--target", str(model_dir), "--draft", str(model_dir), "--prompts", str(prompts_file)]
+    assert (
+        main([*argv, "--max-new-tokens", "16", "--k", "3", "--draft-weights", "int8", "--out", str(out)]) == 0
+    )
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["draft_weights"] == "int8"
+    (draft,) = report["drafts"]
+    assert draft["exact_match"] is True and draft["tau"] > 2.0
+
+
 def test_k_must_be_a_number_or_auto(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--target", "t", "--draft", "ngram", "--prompts", "p", "--out", "o", "--k", "many"])

@@ -226,6 +226,49 @@ def test_eagle3_objective_trains_in_the_loop(tiny_target_dir, conversations, tmp
     assert 1.0 <= result.val["tau"] <= 3.0
 
 
+def test_eagle3_continues_from_a_saved_head(tiny_target_dir, conversations, tmp_path):
+    """draft.options.init_from: the second run starts from the first run's weights and vocabulary map
+    (not from counts of its own data), trains them further, and refuses a head of another shape."""
+    from draftsmith.drafts.eagle import EagleHead
+
+    base = dict(max_steps="--trainer.max_steps=2", val="--trainer.val_k=2", lr="--optim.lr=1e-3")
+    first = train(
+        make_config(
+            tiny_target_dir, conversations, tmp_path / "a", "--draft.kind=eagle3", *base.values(),
+            "--draft.options={draft_vocab_size: 64, ttt_steps: 2}",
+        ),
+        **QUIET,
+    )  # fmt: skip
+    start = EagleHead.from_pretrained(first.draft_dir)
+    probe = Probe()
+    options = f"--draft.options={{init_from: {first.draft_dir}, ttt_steps: 3}}"
+    config = make_config(
+        tiny_target_dir, conversations, tmp_path / "b", "--draft.kind=eagle3", *base.values(), options,
+        "--data.limit=8",  # other data: counts of its own would give another vocabulary map
+    )  # fmt: skip
+    second = train(config, callbacks=[probe], **QUIET)
+    for name, value in start.state_dict().items():
+        assert torch.equal(probe.draft_before[name], value), name
+    after = EagleHead.from_pretrained(second.draft_dir)
+    assert torch.equal(after.d2t, start.d2t) and after.config.ttt_steps == 3
+    assert any(not torch.equal(after.state_dict()[k], v) for k, v in start.state_dict().items())
+
+    wrong = make_config(
+        tiny_target_dir, conversations, tmp_path / "c", "--draft.kind=eagle3", *base.values(),
+        f"--draft.options={{init_from: {first.draft_dir}, draft_vocab_size: 32}}",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="draft_vocab_size = 64 but the config asks for 32"):
+        train(wrong, **QUIET)
+    with pytest.raises(FileNotFoundError, match="init_from"):
+        train(
+            make_config(
+                tiny_target_dir, conversations, tmp_path / "d", "--draft.kind=eagle3", *base.values(),
+                f"--draft.options={{init_from: {tmp_path / 'missing'}}}",
+            ),
+            **QUIET,
+        )  # fmt: skip
+
+
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     from draftsmith.train.checkpoint import AtomicCheckpointIO, last_checkpoint, replace_dir_atomic
 

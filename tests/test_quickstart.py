@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from draftsmith.cli import main
-from draftsmith.quickstart import TRAIN_FILES, first_user_turns
+from draftsmith.quickstart import TRAIN_FILES
+from draftsmith.train.regenerate import first_user_turns
 
 
 def test_prompts_come_from_each_training_file_in_turn(shared_data):
-    rows = first_user_turns(shared_data, 7)
+    rows = first_user_turns([shared_data / "train" / name for name in TRAIN_FILES], 7)
     assert [r["id"].split(":")[0] for r in rows] == [*TRAIN_FILES, *TRAIN_FILES, TRAIN_FILES[0]]
     assert all(len(r["messages"]) == 1 and r["messages"][0]["role"] == "user" for r in rows)
 

@@ -161,3 +161,28 @@ def test_cli_help_text(capsys):
     text = capsys.readouterr().out
     assert exit_info.value.code == 0
     assert "Self-distillation" in text and "Resumable" in text and "--max-new-tokens" in text
+
+
+def test_cli_prompts_interleave_files_and_keep_first_user_turns(tmp_path, capsys):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.json"
+    a.write_text(
+        "".join(
+            json.dumps(
+                {"conversations": [{"from": "human", "value": f"a{i}"}, {"from": "gpt", "value": "x"}]}
+            )
+            + "\n"
+            for i in range(3)
+        )
+    )
+    b.write_text(json.dumps([{"question": "b0", "answer": "y"}, {"question": "b" * 50, "answer": "z"}]))
+    out = tmp_path / "p" / "prompts.jsonl"
+    argv = ["data", "prompts", "--data", str(a), str(b), "--out", str(out), "--max-chars", "10"]
+    assert main([*argv, "--count", "9"]) == 0
+    rows = lines(out)
+    assert [r["id"] for r in rows] == ["a.jsonl:0", "b.json:0", "a.jsonl:1", "a.jsonl:2"]  # b's 2nd too long
+    assert [r["messages"] for r in rows[:2]] == [
+        [{"role": "user", "content": "a0"}],
+        [{"role": "user", "content": "b0"}],
+    ]
+    assert "(the files hold only 4)" in capsys.readouterr().out
+    assert main([*argv, "--count", "0"]) == 2 and "--count" in capsys.readouterr().err

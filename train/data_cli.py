@@ -71,6 +71,45 @@ def add_parser(subparsers) -> None:
     )
     regen.set_defaults(func=run_regenerate)
 
+    prompts = actions.add_parser(
+        "prompts",
+        help="single-turn prompts (each conversation's first user turn) to regenerate answers to",
+        description="Write COUNT single-turn prompts: the first user turn of conversations, taken from the "
+        "--data files in turn (one from each, then the next from each, ...) so every source is represented. "
+        "The output is input for `draftsmith data regenerate --data OUT.jsonl`.",
+    )
+    prompts.add_argument(
+        "--data", required=True, nargs="+", metavar="FILE", help="conversation files (JSON or JSONL)"
+    )
+    prompts.add_argument("--count", required=True, type=int, metavar="N", help="how many prompts")
+    prompts.add_argument("--out", required=True, metavar="OUT.jsonl", help="output JSONL (replaced)")
+    prompts.add_argument(
+        "--max-chars", type=int, default=2000, help="skip user turns longer than this (default: 2000)"
+    )
+    prompts.set_defaults(func=run_prompts)
+
+
+def run_prompts(args: argparse.Namespace) -> int:
+    import json
+    import os
+    from pathlib import Path
+
+    from draftsmith.train.regenerate import first_user_turns
+
+    if args.count < 1:
+        raise ValueError(f"--count must be at least 1, got {args.count}")
+    rows = first_user_turns(args.data, args.count, args.max_chars)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, out)
+    print(
+        f"wrote {len(rows)} prompts to {out}"
+        + ("" if len(rows) == args.count else f" (the files hold only {len(rows)})")
+    )
+    return 0
+
 
 def run_regenerate(args: argparse.Namespace) -> int:
     from draftsmith.decode.cpu_kernels import pack_linears

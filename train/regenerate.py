@@ -139,6 +139,26 @@ def source_conversations(
     return found
 
 
+def first_user_turns(paths: Sequence[str | Path], count: int, max_chars: int = 2000) -> list[dict]:
+    """``count`` single-turn prompts: each conversation's first user turn (at most ``max_chars``
+    characters), taken from the files in turn so every source is represented. Records are
+    ``{"id": "file name:record index", "messages": [user turn]}``, input for ``regenerate``."""
+    from itertools import zip_longest
+
+    def firsts(path: Path):
+        for index, messages in iter_conversations(path):
+            user = next((m for m in messages if m["role"] == "user"), None)
+            if user and 0 < len(user["content"]) <= max_chars:
+                yield {"id": f"{path.name}:{index}", "messages": [user]}
+
+    chosen: list[dict] = []
+    for group in zip_longest(*(firsts(Path(p)) for p in paths)):
+        chosen.extend(r for r in group if r is not None)
+        if len(chosen) >= count:
+            break
+    return chosen[:count]
+
+
 def regenerate(
     model,
     tokenizer,

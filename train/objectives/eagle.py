@@ -17,15 +17,18 @@ in-vocabulary mass in the top-k is left out of the loss.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftsmith.decode.features import resolve_layer_ids
 from draftsmith.drafts.eagle import (
     EagleConfig,
     EagleHead,
     build_vocab_map,
+    check_target,
     packed_segments,
     ttt_attention_mask,
 )
@@ -83,6 +86,45 @@ def soft_topk_cross_entropy(
     return -(p * log_q).sum(-1), in_vocab.any(-1)
 
 
+def load_head_to_continue(
+    path: str,
+    target,
+    preset: str,
+    num_layers: int | None,
+    capture_layer_ids: list[int] | None,
+    draft_vocab_size: int | None,
+) -> EagleHead:
+    """Load a saved head to train further, refusing one made for another target or of another shape."""
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"draft.options.init_from: {path!r} is not a head directory saved by `draftsmith train` "
+            "(no config.json); point it at a run's draft/ folder"
+        )
+    head = EagleHead.from_pretrained(path, dtype=torch.float32)
+    cfg = head.config
+    check_target(cfg, target)
+    if cfg.preset != preset:
+        raise ValueError(
+            f"draft.options.init_from: the head at {path} is {cfg.preset!r} but draft.kind is {preset!r}; "
+            f"set draft.kind: {cfg.preset}"
+        )
+    wanted = {
+        "num_layers": (num_layers, cfg.num_decoder_layers),
+        "capture_layer_ids": (
+            None if capture_layer_ids is None else resolve_layer_ids(target.model, list(capture_layer_ids)),
+            list(cfg.capture_layer_ids),
+        ),
+        "draft_vocab_size": (draft_vocab_size, cfg.draft_vocab_size),
+    }
+    for key, (asked, saved) in wanted.items():
+        if asked is not None and asked != saved:
+            raise ValueError(
+                f"draft.options.init_from: the head at {path} has {key} = {saved!r} but the config asks for "
+                f"{asked!r}; drop {key} from draft.options (the loaded head's is used) or train from scratch"
+            )
+    return head
+
+
 def _unwrap(draft: nn.Module) -> EagleHead:
     """The EagleHead inside a DDP / compiled wrapper."""
     while not isinstance(draft, EagleHead):
@@ -113,32 +155,49 @@ class EagleObjective(Objective):
         self,
         target,
         preset: str = "eagle3",
-        num_layers: int = 1,
+        num_layers: int | None = None,
         capture_layer_ids: list[int] | None = None,
-        draft_vocab_size: int = 32000,
+        draft_vocab_size: int | None = None,
         ttt_steps: int | None = None,
         step_decay: float = 0.8,
         token_counts: torch.Tensor | None = None,
         teacher_topk: int = 64,
         feature_weight: float = 1.0,
         token_weight: float = 0.1,
+        init_from: str | None = None,
     ):
-        """``feature_weight`` / ``token_weight`` weigh EAGLE-1's smooth-L1 and CE terms (EAGLE-1's 1.0 / 0.1)."""
+        """``feature_weight`` / ``token_weight`` weigh EAGLE-1's smooth-L1 and CE terms (EAGLE-1's 1.0 / 0.1).
+
+        ``init_from``: a head directory saved by ``draftsmith train`` to continue from (fine-tuning, e.g.
+        on the target's own regenerated answers). Its shape, capture layers and draft vocabulary are
+        kept; setting num_layers, capture_layer_ids or draft_vocab_size to other values is an error.
+        Defaults when training from scratch: num_layers 1, draft_vocab_size 32000.
+        """
         if preset not in DEFAULT_TTT_STEPS:
             raise ValueError(f"unknown EAGLE preset {preset!r}; choose one of {', '.join(DEFAULT_TTT_STEPS)}")
         steps = DEFAULT_TTT_STEPS[preset] if ttt_steps is None else int(ttt_steps)
         if steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         self.target = target
-        self.config = EagleConfig.for_target(
-            target, preset, num_layers, capture_layer_ids, draft_vocab_size, steps
-        )
+        self.init_head: EagleHead | None = None
+        if init_from is not None:
+            self.init_head = load_head_to_continue(
+                init_from, target, preset, num_layers, capture_layer_ids, draft_vocab_size
+            )
+            self.config = copy.deepcopy(self.init_head.config)
+            self.config.ttt_steps = steps
+        else:
+            self.config = EagleConfig.for_target(
+                target, preset, num_layers or 1, capture_layer_ids, draft_vocab_size or 32000, steps
+            )
         self.capture_layers = tuple(self.config.capture_layer_ids)
         self.teacher_topk = int(teacher_topk)
         self.step_weights = [step_decay**j for j in range(steps)]
         self.feature_weight, self.token_weight = feature_weight, token_weight
         self.vocab_map = None
-        if preset == "eagle3" and self.config.draft_vocab_size < self.config.vocab_size:
+        if self.init_head is not None:
+            pass  # the loaded head brings its own vocabulary map
+        elif preset == "eagle3" and self.config.draft_vocab_size < self.config.vocab_size:
             if token_counts is None:
                 raise ValueError(
                     f"EAGLE-3 with a draft vocabulary of {self.config.draft_vocab_size} < {self.config.vocab_size} "
@@ -156,6 +215,10 @@ class EagleObjective(Objective):
         return self.config.preset
 
     def build_draft(self) -> EagleHead:
+        if self.init_head is not None:
+            head = copy.deepcopy(self.init_head).train()  # from_pretrained returns eval mode
+            head.config = copy.deepcopy(self.config)  # this run's ttt_steps
+            return head
         head = EagleHead(copy.deepcopy(self.config))
         if self.vocab_map is not None:
             head.set_vocab_map(*self.vocab_map)
