@@ -195,9 +195,8 @@ class EagleObjective(Objective):
         self.step_weights = [step_decay**j for j in range(steps)]
         self.feature_weight, self.token_weight = feature_weight, token_weight
         self.vocab_map = None
-        if self.init_head is not None:
-            pass  # the loaded head brings its own vocabulary map
-        elif preset == "eagle3" and self.config.draft_vocab_size < self.config.vocab_size:
+        reduced = preset == "eagle3" and self.config.draft_vocab_size < self.config.vocab_size
+        if reduced and self.init_head is None:  # a loaded head brings its own vocabulary map
             if token_counts is None:
                 raise ValueError(
                     f"EAGLE-3 with a draft vocabulary of {self.config.draft_vocab_size} < {self.config.vocab_size} "
