@@ -13,9 +13,10 @@ Drafts can go further (``quantize_draft_linears``): weight-only int8 with one sc
 channel, run by ``torch.ops.aten._weight_int8pack_mm`` on bfloat16 activations. A draft's precision
 never changes the output — the target verifies every drafted token, and under sampling the drafter's
 own (quantized) distribution is what the acceptance rule uses — it can only change how many drafted
-tokens the target accepts. On the 2-core CPU a draft step of the SmolLM2 EAGLE-3 head (one layer and
-a 16,384-wide LM head, all weight reads) drops from about 6 ms to under 3 ms. The target is never
-quantized: its layers (also those a ``layers:N`` draft shares with it) are skipped.
+tokens the target accepts. On the 2-core CPU, drafting five tokens with the SmolLM2 EAGLE-3 head (one
+layer and a 16,384-wide LM head, all weight reads) went from 16.1 to 7.9 ms per step on dev prompts,
+with the same τ (BENCHMARKS.md). The target is never quantized: its layers (also those a
+``layers:N`` draft shares with it) are skipped.
 
 ``pack_linears(model)`` swaps every frozen ``nn.Linear`` for a ``PackedLinear`` that keeps the
 original weight (shared, so state dicts, tied embeddings and hooks see the same tensor) plus the
