@@ -110,6 +110,7 @@ def test_int8_linear_is_close_to_the_float_layer_and_follows_weight_updates():
     assert (q(x) - linear(x)).norm() / linear(x).norm() < 0.02
     with pytest.raises(RuntimeError, match="drafting only"):
         Int8Linear(torch.nn.Linear(4, 4))(torch.randn(1, 4))
+    assert "for CPU decoding" in int8_unavailable("cuda")  # eval refuses --draft-weights int8 there
 
 
 @needs_int8
