@@ -193,6 +193,8 @@ def test_eagle3_needs_token_counts_for_a_reduced_vocabulary(target):
         build_objective("eagle3", target, {"draft_vocab_size": DRAFT_VOCAB})
     full = build_objective("eagle3", target, {"draft_vocab_size": 10_000}).build_draft()
     assert full.config.draft_vocab_size == 259 and torch.equal(full.d2t, torch.arange(259))
+    with pytest.raises(ValueError, match="num_layers must be >= 1"):
+        build_objective("eagle3", target, {"draft_vocab_size": 10_000, "num_layers": 0})
     with pytest.raises(ValueError, match="step_decay"):  # a misspelt option names the right one
         build_objective("eagle3", target, {"step_decy": 0.5})
 

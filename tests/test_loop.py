@@ -229,7 +229,7 @@ def test_eagle3_objective_trains_in_the_loop(tiny_target_dir, conversations, tmp
 def test_eagle3_continues_from_a_saved_head(tiny_target_dir, conversations, tmp_path):
     """draft.options.init_from: the second run starts from the first run's weights and vocabulary map
     (not from counts of its own data), trains them further, and refuses a head of another shape."""
-    from draftsmith.drafts.eagle import EagleHead
+    from draftsmith.drafts.eagle import EagleHead, build_vocab_map
 
     base = dict(max_steps="--trainer.max_steps=2", val="--trainer.val_k=2", lr="--optim.lr=1e-3")
     first = train(
@@ -240,17 +240,33 @@ def test_eagle3_continues_from_a_saved_head(tiny_target_dir, conversations, tmp_
         **QUIET,
     )  # fmt: skip
     start = EagleHead.from_pretrained(first.draft_dir)
+    letters = tmp_path / "letters.jsonl"  # other text: counts of its own would give another vocabulary map
+    letters.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "conversations": [
+                        {"from": "human", "value": f"spell {w}"},
+                        {"from": "gpt", "value": " ".join(w)},
+                    ]
+                }
+            )
+            + "\n"
+            for w in ["xylophone", "quiz", "jazz", "kayak", "wombat", "vortex", "hymn", "lynx"] * 2
+        )
+    )
     probe = Probe()
     options = f"--draft.options={{init_from: {first.draft_dir}, ttt_steps: 3}}"
     config = make_config(
-        tiny_target_dir, conversations, tmp_path / "b", "--draft.kind=eagle3", *base.values(), options,
-        "--data.limit=8",  # other data: counts of its own would give another vocabulary map
-    )  # fmt: skip
+        tiny_target_dir, letters, tmp_path / "b", "--draft.kind=eagle3", *base.values(), options
+    )
     second = train(config, callbacks=[probe], **QUIET)
-    for name, value in start.state_dict().items():
+    for name, value in start.state_dict().items():  # weights and the d2t/t2d buffers
         assert torch.equal(probe.draft_before[name], value), name
     after = EagleHead.from_pretrained(second.draft_dir)
     assert torch.equal(after.d2t, start.d2t) and after.config.ttt_steps == 3
+    own_counts = load_file(str(tmp_path / "b" / "token_counts.safetensors"))["token_counts"]
+    assert not torch.equal(build_vocab_map(own_counts, 64)[0], start.d2t)  # so the map above was kept
     assert any(not torch.equal(after.state_dict()[k], v) for k, v in start.state_dict().items())
 
     wrong = make_config(

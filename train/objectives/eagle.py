@@ -178,6 +178,8 @@ class EagleObjective(Objective):
         steps = DEFAULT_TTT_STEPS[preset] if ttt_steps is None else int(ttt_steps)
         if steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
+        if num_layers is not None and num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1 (decoder layers in the head), got {num_layers}")
         self.target = target
         self.init_head: EagleHead | None = None
         if init_from is not None:
@@ -188,7 +190,12 @@ class EagleObjective(Objective):
             self.config.ttt_steps = steps
         else:
             self.config = EagleConfig.for_target(
-                target, preset, num_layers or 1, capture_layer_ids, draft_vocab_size or 32000, steps
+                target,
+                preset,
+                1 if num_layers is None else num_layers,
+                capture_layer_ids,
+                32000 if draft_vocab_size is None else draft_vocab_size,
+                steps,
             )
         self.capture_layers = tuple(self.config.capture_layer_ids)
         self.teacher_topk = int(teacher_topk)
