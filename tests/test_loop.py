@@ -15,7 +15,7 @@ from torch import nn
 
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import acceptance_summary, lr_factor, train
-from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.objective import Batch, Objective, Teacher, decoding_walk
 from draftsmith.train.registry import register_objective
 
 
@@ -141,6 +141,20 @@ def test_acceptance_summary_by_hand():
     s = acceptance_summary(torch.tensor([2.0, 1.0, 1.0]))
     assert s["tau"] == pytest.approx(1.75)
     assert s["acc_pos_1"] == pytest.approx(2 / 4) and s["acc_pos_2"] == pytest.approx(1 / 2)
+
+
+def test_decoding_walk_counts_the_steps_decoding_takes():
+    # row 0: a chain from t = 0 accepts 2, so decoding drafts next at t = 3 (accepts 0), then at t = 4;
+    # t = 1 and t = 2 are never a chain's start, whatever they would accept
+    accepted = torch.tensor([[2, 3, 3, 0, 1, 3, 0], [0, 0, 2, 2, 2, 2, 2]])
+    starts = torch.tensor([[1, 1, 1, 1, 1, 0, 1], [0, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    # row 0: t=0 (2), t=3 (0), t=4 (1), t=5 is no start, t=6 (0); row 1: t=1 (0), t=2 (2), t=5 (2)
+    assert decoding_walk(accepted, starts, k=3).tolist() == [3, 1, 3, 0]
+    # every start counted alone would give [3, 1, 5, 2]: more long runs than decoding ever sees
+    assert (
+        decoding_walk(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool), 2).tolist()
+        == [0] * 3
+    )
 
 
 def test_lr_schedule_warmup_then_cosine():

@@ -186,3 +186,15 @@ def test_cli_prompts_interleave_files_and_keep_first_user_turns(tmp_path, capsys
     ]
     assert "(the files hold only 4)" in capsys.readouterr().out
     assert main([*argv, "--count", "0"]) == 2 and "--count" in capsys.readouterr().err
+    # a second batch leaves out what the first one holds
+    more = tmp_path / "p" / "more.jsonl"
+    second = ["data", "prompts", "--data", str(a), str(b), "--out", str(more), "--count", "9"]
+    assert main([*second, "--max-chars", "10", "--exclude", str(out)]) == 0
+    assert lines(more) == [] and "left out 4 prompts" in capsys.readouterr().out
+    assert main([*second, "--exclude", str(out)]) == 0
+    assert [r["id"] for r in lines(more)] == ["b.json:1"]
+    capsys.readouterr()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\n')
+    assert main([*second, "--exclude", str(bad)]) == 2
+    assert 'line 1 is not a `draftsmith data prompts` record with an "id"' in capsys.readouterr().err

@@ -86,6 +86,14 @@ def add_parser(subparsers) -> None:
     prompts.add_argument(
         "--max-chars", type=int, default=2000, help="skip user turns longer than this (default: 2000)"
     )
+    prompts.add_argument(
+        "--exclude",
+        nargs="+",
+        default=[],
+        metavar="PROMPTS.jsonl",
+        help="leave out the prompts already in these files (an earlier `data prompts` output), so a second "
+        "batch for `data regenerate` holds only new ones",
+    )
     prompts.set_defaults(func=run_prompts)
 
 
@@ -98,7 +106,10 @@ def run_prompts(args: argparse.Namespace) -> int:
 
     if args.count < 1:
         raise ValueError(f"--count must be at least 1, got {args.count}")
-    rows = first_user_turns(args.data, args.count, args.max_chars)
+    exclude = set()
+    for path in args.exclude:
+        exclude.update(_prompt_ids(Path(path)))
+    rows = first_user_turns(args.data, args.count, args.max_chars, exclude)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -107,8 +118,28 @@ def run_prompts(args: argparse.Namespace) -> int:
     print(
         f"wrote {len(rows)} prompts to {out}"
         + ("" if len(rows) == args.count else f" (the files hold only {len(rows)})")
+        + (f"; left out {len(exclude)} prompts of {' '.join(args.exclude)}" if exclude else "")
     )
     return 0
+
+
+def _prompt_ids(path) -> list[str]:
+    """The ids of a `data prompts` output file, with a clear error for anything else."""
+    import json
+
+    ids = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ids.append(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(
+                    f"--exclude {path}: line {number} is not a `draftsmith data prompts` record with an "
+                    f'"id" ({type(e).__name__}: {e}); pass the prompts file an earlier run wrote'
+                ) from None
+    return ids
 
 
 def run_regenerate(args: argparse.Namespace) -> int:

@@ -16,6 +16,37 @@ import torch
 from torch import nn
 
 
+def decoding_walk_steps(accepted: torch.Tensor, starts: torch.Tensor) -> list[list[int]]:
+    """Per row, the accepted lengths of the verify steps greedy chain decoding takes along it, in order.
+
+    ``accepted`` [B, T]: drafted tokens a chain drafted after position t would have accepted;
+    ``starts`` [B, T] bool: positions where decoding can start a chain — learnt positions whose next
+    token the target produced itself (so not the first token of an answer, which comes from the
+    prefill), with k real tokens after them. A step at t that accepts a tokens puts the next draft at
+    t + a + 1, right after a rejection, where the draft tends to be weaker: averaging over every start
+    instead overstates τ (for a trained EAGLE-3 head on the bundled target's held-out answers, 2.11
+    against 1.84 along the walk, the figure decoding gets).
+    """
+    rows = []
+    for lengths, ok in zip(accepted.cpu().tolist(), starts.bool().cpu().tolist()):
+        steps, free_from = [], 0
+        for t, (a, start) in enumerate(zip(lengths, ok)):
+            if start and t >= free_from:
+                steps.append(a)
+                free_from = t + a + 1
+        rows.append(steps)
+    return rows
+
+
+def decoding_walk(accepted: torch.Tensor, starts: torch.Tensor, k: int) -> torch.Tensor:
+    """Histogram [k + 1] of the accepted lengths in ``decoding_walk_steps``."""
+    counts = [0] * (k + 1)
+    for steps in decoding_walk_steps(accepted, starts):
+        for a in steps:
+            counts[a] += 1
+    return torch.tensor(counts, dtype=torch.long)
+
+
 @dataclass
 class Batch:
     """Padded token batch. Shapes: [B, T]."""
@@ -62,9 +93,9 @@ class Objective(ABC):
     @abstractmethod
     @torch.no_grad()
     def acceptance(self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
-        """Simulated greedy acceptance on held-out data: counts [k + 1] — how many positions the draft
-        would have proposed and had accepted at each chain depth, as a histogram of accepted lengths
-        (entry j = number of positions where exactly j drafted tokens match the target's greedy tokens)."""
+        """Simulated greedy acceptance on held-out data: counts [k + 1], a histogram of accepted lengths
+        (entry j = verify steps where exactly j drafted tokens match the target's greedy tokens), over the
+        steps chain decoding would take along each row (``decoding_walk``)."""
 
     on_policy: bool = False
     """True when ``prepare_batch`` needs the draft to generate (then the target must run online)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,17 +139,21 @@ def source_conversations(
     return found
 
 
-def first_user_turns(paths: Sequence[str | Path], count: int, max_chars: int = 2000) -> list[dict]:
+def first_user_turns(
+    paths: Sequence[str | Path], count: int, max_chars: int = 2000, exclude: Collection[str] = ()
+) -> list[dict]:
     """``count`` single-turn prompts: each conversation's first user turn (at most ``max_chars``
     characters), taken from the files in turn so every source is represented. Records are
-    ``{"id": "file name:record index", "messages": [user turn]}``, input for ``regenerate``."""
+    ``{"id": "file name:record index", "messages": [user turn]}``, input for ``regenerate``;
+    ids in ``exclude`` (an earlier batch's) are skipped, so a second batch holds only new prompts."""
     from itertools import zip_longest
 
     def firsts(path: Path):
         for index, messages in iter_conversations(path):
             user = next((m for m in messages if m["role"] == "user"), None)
-            if user and 0 < len(user["content"]) <= max_chars:
-                yield {"id": f"{path.name}:{index}", "messages": [user]}
+            pid = f"{path.name}:{index}"
+            if user and 0 < len(user["content"]) <= max_chars and pid not in exclude:
+                yield {"id": pid, "messages": [user]}
 
     chosen: list[dict] = []
     for group in zip_longest(*(firsts(Path(p)) for p in paths)):

@@ -36,7 +36,7 @@ from draftsmith.decode.target import Target, resolve_dtype
 from draftsmith.drafts import small_lm
 from draftsmith.train.data import collate
 from draftsmith.train.losses import LOSSES, TokenLoss, distillation_loss, teacher_labels, token_count
-from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.objective import Batch, Objective, Teacher, decoding_walk
 from draftsmith.train.registry import register_objective
 
 INITS = ("target_layers", "config", "pretrained")
@@ -78,10 +78,14 @@ def evenly_spaced(num_layers: int, total: int) -> list[int]:
     return sorted({round(i * (total - 1) / (num_layers - 1)) for i in range(num_layers)})
 
 
-def chain_acceptance_histogram(agree: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-    """Counts [k + 1]: for each valid start t, the run of consecutive agreements from t (capped at k).
+def chain_acceptance_histogram(
+    agree: torch.Tensor, valid: torch.Tensor, k: int, starts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Counts [k + 1] of accepted lengths along the decoding walk (``decoding_walk``): a chain starting
+    at position t accepts the run of consecutive agreements from t (capped at k).
 
     ``agree`` / ``valid`` [B, T]. A run stops at the first disagreement, invalid position or row end.
+    ``starts`` (default: ``valid``): where a chain may start.
     """
     ok = agree.bool() & valid.bool()
     run = ok.clone()
@@ -92,7 +96,7 @@ def chain_acceptance_histogram(agree: torch.Tensor, valid: torch.Tensor, k: int)
             ahead[:, : ok.shape[1] - j] = ok[:, j:]
             run = run & ahead
         lengths += run.long()
-    return torch.bincount(lengths[valid.bool()], minlength=k + 1).cpu()
+    return decoding_walk(lengths, valid if starts is None else starts & valid.bool(), k)
 
 
 class DistillObjective(Objective):
@@ -263,7 +267,9 @@ class DistillObjective(Objective):
         greedy = teacher_labels(
             t_logits.to(logits.device), None if t_ids is None else t_ids.to(logits.device)
         )
-        return chain_acceptance_histogram(logits.argmax(-1) == greedy, mask, k)
+        # decoding drafts from position t only once the target has produced token t itself
+        starts = mask & (batch.loss_mask[:, :-1] > 0).to(mask.device)
+        return chain_acceptance_histogram(logits.argmax(-1) == greedy, mask, k, starts)
 
     def save(self, draft: nn.Module, directory: Path) -> None:
         """A plain causal-LM directory (loads as a ``causal_lm`` draft) recording its target."""

@@ -32,7 +32,7 @@ from draftsmith.drafts.eagle import (
     packed_segments,
     ttt_attention_mask,
 )
-from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.objective import Batch, Objective, Teacher, decoding_walk
 from draftsmith.train.registry import check_options, register_objective
 
 __all__ = [
@@ -276,34 +276,47 @@ class EagleObjective(Objective):
 
     @torch.no_grad()
     def acceptance(self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
-        """Greedy chain acceptance simulated by a k-step TTT unroll at every counted anchor that has k
-        real tokens after it: accepted length = leading unroll steps whose argmax (as a target id) equals
-        the target's greedy token at that position. Teacher forcing feeds the data's tokens, which equals
+        """Greedy chain acceptance simulated on held-out rows, counted along the decoding walk."""
+        return decoding_walk(*self.chain_lengths(draft, batch, teacher, k), k)
+
+    @torch.no_grad()
+    def chain_lengths(
+        self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted [B, T], starts [B, T]) for ``decoding_walk``: at each start (see
+        ``decoding_walk_steps``), the leading steps of a k-step TTT unroll whose argmax (as a target id)
+        equals the target's greedy token there. Teacher forcing feeds the data's tokens, which equals
         chain drafting exactly where the data follows the target's greedy path (e.g. regenerated data)."""
         head = _unwrap(draft)
         real = batch.attention_mask.bool()
-        anchors = step_valid_masks(batch, 1)[0] & shift_left(real, k) & same_conversation(batch, k)
-        if k < 1:
-            return anchors.sum().view(1).cpu()
-        masks = anchors.expand(k, *anchors.shape)
+        learnt = real & batch.loss_mask.bool()
+        starts = (
+            step_valid_masks(batch, 1)[0]
+            & shift_left(learnt, 1)
+            & shift_left(real, k)
+            & same_conversation(batch, k)
+        )
+        accepted = torch.zeros(starts.shape, dtype=torch.long, device=starts.device)
+        if k < 1 or not starts.any():
+            return accepted, starts
         out = draft(
             batch.input_ids,
             teacher.features,
             batch.attention_mask,
             steps=k,
-            logit_masks=masks,
+            logit_masks=starts.expand(k, *starts.shape),
             position_ids=batch.position_ids,
         )
         greedy = _greedy(teacher)
         matches = torch.stack(
             [
-                head.d2t[logits.argmax(-1)] == shift_left(greedy, 1 + j)[anchors]
+                head.d2t[logits.argmax(-1)] == shift_left(greedy, 1 + j)[starts]
                 for j, logits in enumerate(out.logits)
             ],
             dim=-1,
         )  # [N, k]
-        accepted = matches.long().cumprod(-1).sum(-1)
-        return torch.bincount(accepted, minlength=k + 1).cpu()
+        accepted[starts] = matches.long().cumprod(-1).sum(-1)
+        return accepted, starts
 
 
 class Eagle1Objective(EagleObjective):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.drafts.medusa import MedusaConfig, MedusaHeads
-from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.objective import Batch, Objective, Teacher, decoding_walk
 from draftsmith.train.objectives.eagle import shift_left, soft_topk_cross_entropy, step_valid_masks
 from draftsmith.train.registry import check_options, register_objective
 
@@ -86,14 +86,16 @@ class MedusaObjective(Objective):
 
     @torch.no_grad()
     def acceptance(self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
-        """Greedy chain acceptance at every counted anchor with k real tokens after it: accepted length =
-        leading heads whose argmax equals the target's greedy token at their position (at most num_heads).
-        Teacher forcing on the data equals decoding exactly where the data follows the target's greedy path."""
+        """Greedy chain acceptance counted along the decoding walk (``decoding_walk_steps`` says where
+        chains start): accepted length = leading heads whose argmax equals the target's greedy token at
+        their position (at most num_heads). Teacher forcing on the data equals decoding exactly where
+        the data follows the target's greedy path."""
         real = batch.attention_mask.bool()
-        anchors = step_valid_masks(batch, 1)[0] & shift_left(real, k)
+        learnt = real & batch.loss_mask.bool()
+        anchors = step_valid_masks(batch, 1)[0] & shift_left(learnt, 1) & shift_left(real, k)
         n = min(k, len(self.head_weights))
         if n < 1:
-            return torch.bincount(torch.zeros(int(anchors.sum()), dtype=torch.long), minlength=k + 1).cpu()
+            return decoding_walk(torch.zeros(anchors.shape, dtype=torch.long), anchors, k)
         logits = draft(
             teacher.features[self.capture_layers[0]], logit_masks=anchors.expand(n, *anchors.shape)
         )
@@ -101,8 +103,9 @@ class MedusaObjective(Objective):
         matches = torch.stack(
             [head.argmax(-1) == shift_left(greedy, 1 + j)[anchors] for j, head in enumerate(logits)], dim=-1
         )  # [N, n]
-        accepted = matches.long().cumprod(-1).sum(-1)
-        return torch.bincount(accepted, minlength=k + 1).cpu()
+        accepted = torch.zeros(anchors.shape, dtype=torch.long, device=matches.device)
+        accepted[anchors] = matches.long().cumprod(-1).sum(-1)
+        return decoding_walk(accepted, anchors, k)
 
 
 @register_objective("medusa")
