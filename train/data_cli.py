@@ -1,4 +1,5 @@
-"""``draftsmith data``: prepare training data. ``draftsmith data regenerate`` has the target write the replies."""
+"""``draftsmith data``: prepare training data. ``draftsmith data regenerate`` has the target write the replies,
+``data synthesize`` the prompts, ``data prompts`` takes them from conversation files."""
 
 from __future__ import annotations
 
@@ -20,6 +21,51 @@ ones appended (each is flushed as soon as it is complete, so a kill loses at mos
 """
 
 
+SYNTHESIZE_HELP = """\
+Training prompts written by the target itself (Magpie-style self-synthesis): given only the start of
+a user turn from its chat template, an instruction-tuned model writes a plausible user request. No
+prompt dataset is needed, and the prompts are the kind the target expects. Only requests that end
+with an end-of-turn token are kept; very short ones and duplicates are dropped.
+
+Output: JSONL prompts ({"id", "messages": [user turn]}), the input of `draftsmith data regenerate`:
+
+  draftsmith data synthesize --target smollm2-135m-instruct --count 800 --out runs/synth/prompts.jsonl
+  draftsmith data regenerate --target smollm2-135m-instruct --data runs/synth/prompts.jsonl \\
+      --out runs/synth/regenerated.jsonl --max-new-tokens 192 --batch-size 32
+
+Resumable: rerun the same command; it appends until --count prompts are there.
+"""
+
+
+def add_target_options(parser: argparse.ArgumentParser) -> None:
+    """--target, --device, --dtype and --cpu-kernels: the target that writes the data."""
+    parser.add_argument(
+        "--target", required=True, help="Hub id, local directory, .gguf file, or smollm2-135m-instruct"
+    )
+    parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
+    parser.add_argument(
+        "--dtype", default="float32", choices=list(DTYPES), help="target weights (default: float32)"
+    )
+    parser.add_argument(
+        "--cpu-kernels",
+        choices=["packed", "stock"],
+        default="packed",
+        help="CPU float32: run the target's linear layers on prepacked oneDNN weights (default; "
+        "decode/cpu_kernels.py) or PyTorch's stock kernels",
+    )
+
+
+def load_writer(args: argparse.Namespace):
+    """(model, tokenizer, name) of the target named by ``add_target_options``' arguments."""
+    from draftsmith.decode.cpu_kernels import pack_linears
+    from draftsmith.decode.target import load_causal_lm
+
+    model, tokenizer, name = load_causal_lm(args.target, args.device, args.dtype)
+    if args.cpu_kernels == "packed":
+        pack_linears(model)  # a no-op off the CPU or outside float32
+    return model, tokenizer, name
+
+
 def add_parser(subparsers) -> None:
     data = subparsers.add_parser(
         "data",
@@ -34,9 +80,7 @@ def add_parser(subparsers) -> None:
         description=REGENERATE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    regen.add_argument(
-        "--target", required=True, help="Hub id, local directory, .gguf file, or smollm2-135m-instruct"
-    )
+    add_target_options(regen)
     regen.add_argument(
         "--data", required=True, nargs="+", metavar="FILE", help="conversation files (JSON or JSONL)"
     )
@@ -58,17 +102,6 @@ def add_parser(subparsers) -> None:
         help="stop a conversation whose prompt grows past this (default: context length - max new tokens)",
     )
     regen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    regen.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
-    regen.add_argument(
-        "--dtype", default="float32", choices=list(DTYPES), help="target weights (default: float32)"
-    )
-    regen.add_argument(
-        "--cpu-kernels",
-        choices=["packed", "stock"],
-        default="packed",
-        help="CPU float32: run the target's linear layers on prepacked oneDNN weights (default; "
-        "decode/cpu_kernels.py) or PyTorch's stock kernels",
-    )
     regen.set_defaults(func=run_regenerate)
 
     prompts = actions.add_parser(
@@ -95,6 +128,33 @@ def add_parser(subparsers) -> None:
         "batch for `data regenerate` holds only new ones",
     )
     prompts.set_defaults(func=run_prompts)
+
+    synth = actions.add_parser(
+        "synthesize",
+        help="prompts written by the target itself (Magpie-style), to regenerate answers to",
+        description=SYNTHESIZE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_target_options(synth)
+    synth.add_argument("--count", required=True, type=int, metavar="N", help="how many prompts")
+    synth.add_argument(
+        "--out", required=True, metavar="OUT.jsonl", help="output JSONL (appended to on resume)"
+    )
+    synth.add_argument(
+        "--max-new-tokens", type=int, default=128, help="longest request in tokens (default: 128)"
+    )
+    synth.add_argument("--batch-size", type=int, default=32, help="requests sampled together (default: 32)")
+    synth.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
+    synth.add_argument(
+        "--min-chars", type=int, default=10, help="drop requests shorter than this (default: 10)"
+    )
+    synth.add_argument(
+        "--system",
+        default=None,
+        help="a system prompt to put before the user turn (default: the chat template's own, if any)",
+    )
+    synth.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    synth.set_defaults(func=run_synthesize)
 
 
 def run_prompts(args: argparse.Namespace) -> int:
@@ -142,14 +202,40 @@ def _prompt_ids(path) -> list[str]:
     return ids
 
 
+def run_synthesize(args: argparse.Namespace) -> int:
+    from draftsmith.train.synthesize import synthesize
+
+    model, tokenizer, name = load_writer(args)
+    stats = synthesize(
+        model,
+        tokenizer,
+        args.out,
+        args.count,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        min_chars=args.min_chars,
+        system=args.system,
+        seed=args.seed,
+    )
+    total = stats.already_done + stats.written
+    print(
+        f"{name}: wrote {stats.written} prompts to {args.out} ({stats.already_done} were already there); "
+        f"of {stats.sampled} sampled, dropped {stats.unfinished} unfinished, {stats.too_short} too short, "
+        f"{stats.duplicates} duplicates"
+        + (
+            ""
+            if total >= args.count
+            else f"; stopped at {total} of {args.count}: the sampling budget ran out"
+        )
+    )
+    return 0
+
+
 def run_regenerate(args: argparse.Namespace) -> int:
-    from draftsmith.decode.cpu_kernels import pack_linears
-    from draftsmith.decode.target import load_causal_lm
     from draftsmith.train.regenerate import regenerate
 
-    model, tokenizer, name = load_causal_lm(args.target, args.device, args.dtype)
-    if args.cpu_kernels == "packed":
-        pack_linears(model)  # a no-op off the CPU or outside float32
+    model, tokenizer, name = load_writer(args)
     stats = regenerate(
         model,
         tokenizer,

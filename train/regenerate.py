@@ -87,8 +87,9 @@ class _Dialogue:
         return rec
 
 
-def read_done(out: str | Path) -> set[str]:
-    """The source_ids already in ``out``; a partial last line (from a killed run) is cut off the file."""
+def read_done(out: str | Path, key: str = "source_id") -> set[str]:
+    """The ``key`` values (source_ids) already in ``out``; a partial last line (from a killed run) is cut
+    off the file."""
     out = Path(out)
     if not out.exists():
         return set()
@@ -108,12 +109,12 @@ def read_done(out: str | Path) -> set[str]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(
-                f"{out}: line {lineno} is not valid JSON ({err.msg}); it was not written by regenerate or is "
+                f"{out}: line {lineno} is not valid JSON ({err.msg}); it was not written by draftsmith or is "
                 "damaged — fix or delete that line, or write to a new --out file"
             ) from err
-        if not isinstance(record, dict) or "source_id" not in record:
-            raise ValueError(f"{out}: line {lineno} has no source_id; write to a new --out file")
-        done.add(record["source_id"])
+        if not isinstance(record, dict) or key not in record:
+            raise ValueError(f"{out}: line {lineno} has no {key}; write to a new --out file")
+        done.add(record[key])
     return done
 
 

@@ -1,0 +1,204 @@
+"""Simulated τ of EAGLE heads on held-out rows of a feature cache, without decoding.
+
+For each head, a k-chain is drafted (teacher-forced, from the cached target features) at every
+position where decoding could start one, and its accepted length recorded. Two averages are printed:
+
+- along the decoding walk (``train.objective.decoding_walk``): the steps greedy chain decoding takes,
+  each starting right after the previous step's last token. This is what ``val/tau`` reports and, on
+  the target's own greedy answers, what ``draftsmith eval`` measures on the same text.
+- over every start: a chain from every position. This reads high, because decoding starts fewer
+  chains where the draft is strong; validation reported it before the walk landed.
+
+With ``--decode N``, the first N single-turn held-out conversations are also decoded for real
+(``decode.speculative.generate`` with the head as drafter and packed CPU kernels, as ``draftsmith
+eval`` runs it), and the accepted length of each verify step is compared with the walk's, step by
+step, up to where the decoded text leaves the data (the data was generated in padded batches, so a
+near-tie can go the other way) and while full k-chains are drafted.
+
+The cache is a training run's ``feature_cache/heldout`` (offline mode); heads must capture the
+layers it holds. Prints a table, writes JSON.
+
+    python bench/heldout_tau.py --cache runs/smollm2_eagle3_cpu_ft/feature_cache/heldout \\
+        --draft runs/smollm2_eagle3_cpu/draft runs/smollm2_eagle3_cpu_ft/draft --out /tmp/heldout.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith.decode.cpu_kernels import pack_for_decoding
+from draftsmith.decode.target import load_target
+from draftsmith.drafts import build_drafter
+from draftsmith.eval.report import hardware_description
+from draftsmith.eval.stats import AcceptanceStats
+from draftsmith.train.feature_cache import FeatureCache, collate_cached
+from draftsmith.train.loop import pad_id_of
+from draftsmith.train.objective import decoding_walk
+from draftsmith.train.registry import build_objective
+
+
+def summary(histogram: list[int], k: int) -> dict:
+    stats = AcceptanceStats(Counter({(k, a): n for a, n in enumerate(histogram) if n}))
+    return {
+        "tau": stats.tau,
+        "per_position": stats.per_position,
+        "steps": stats.num_steps,
+        "histogram": histogram,
+    }
+
+
+def measure(objective, head, cache: FeatureCache, k: int, batch_size: int, pad_id: int) -> dict:
+    walk = torch.zeros(k + 1, dtype=torch.long)
+    every = torch.zeros(k + 1, dtype=torch.long)
+    for lo in tqdm(range(0, len(cache), batch_size), desc="held-out rows", unit="batch", leave=False):
+        rows = [cache[i] for i in range(lo, min(lo + batch_size, len(cache)))]
+        batch, teacher = collate_cached(rows, pad_id=pad_id, dtype=torch.float32)
+        accepted, starts = objective.chain_lengths(head, batch, teacher, k)
+        walk += decoding_walk(accepted, starts, k)
+        every += torch.bincount(accepted[starts], minlength=k + 1)
+    return {"walk": summary(walk.tolist(), k), "every_start": summary(every.tolist(), k)}
+
+
+def single_turn_conversations(cache: FeatureCache, count: int, min_answer: int = 32):
+    """Up to ``count`` (row, prompt ids, answer ids, the conversation's cached row) of held-out
+    conversations whose learnt tokens are one run (a single answer) of at least ``min_answer`` tokens."""
+    found = []
+    for index in range(len(cache)):
+        row = cache[index]
+        n = len(row["input_ids"])
+        pos = row.get("position_ids")
+        bounds = [0, n] if pos is None else (pos == 0).nonzero().flatten().tolist() + [n]
+        for lo, hi in zip(bounds, bounds[1:]):
+            learnt = row["loss_mask"][lo:hi].bool()
+            where = learnt.nonzero().flatten()
+            if len(where) < min_answer or not learnt[int(where[0]) : int(where[-1]) + 1].all():
+                continue
+            part = {
+                key: ({i: f[lo:hi] for i, f in value.items()} if isinstance(value, dict) else value[lo:hi])
+                for key, value in row.items()
+                if value is not None
+            }
+            ids = part["input_ids"]
+            first, last = int(where[0]), int(where[-1])
+            found.append((index, ids[:first], ids[first : last + 1], part))
+            if len(found) == count:
+                return found
+    return found
+
+
+def decode_check(objective, head, drafter, target, cache, k: int, count: int, pad_id: int) -> dict:
+    """Real decoding against the walk on ``count`` held-out conversations (see the module docstring)."""
+    from draftsmith.decode.speculative import generate
+    from draftsmith.train.objective import decoding_walk_steps
+
+    compared = equal = 0
+    simulated, decoded = [], []
+    for _, prompt, answer, part in tqdm(
+        single_turn_conversations(cache, count), desc="decode", unit="conv", leave=False
+    ):
+        batch, teacher = collate_cached([part], pad_id=pad_id, dtype=torch.float32)
+        walk = decoding_walk_steps(*objective.chain_lengths(head, batch, teacher, k))[0]
+        result = generate(target, prompt, drafter, k=k, max_new_tokens=len(answer))
+        same = next(
+            (i for i, (a, b) in enumerate(zip(result.tokens, answer.tolist())) if a != b),
+            min(len(result.tokens), len(answer)),
+        )
+        covered = 0
+        for sim, dec, asked in zip(walk, result.accepted, result.chosen_k):
+            covered += dec + 1
+            if asked != k or covered > same:
+                break
+            compared += 1
+            equal += sim == dec
+            simulated.append(sim)
+            decoded.append(dec)
+    return {
+        "steps_compared": compared,
+        "steps_equal": equal,
+        "tau_simulated": 1 + sum(simulated) / max(1, len(simulated)),
+        "tau_decoded": 1 + sum(decoded) / max(1, len(decoded)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument(
+        "--cache", required=True, help="a feature cache folder (e.g. RUN/feature_cache/heldout)"
+    )
+    parser.add_argument("--draft", required=True, nargs="+", help="EAGLE head folders (RUN/draft)")
+    parser.add_argument("--k", type=int, default=5, help="chain length (default: 5)")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument(
+        "--decode",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also decode N held-out conversations for real and compare with the walk (default: 0)",
+    )
+    parser.add_argument("--out", default=None, help="JSON report")
+    args = parser.parse_args(argv)
+    if args.k < 1:
+        parser.error(f"--k must be at least 1, got {args.k}")
+
+    torch.set_grad_enabled(False)
+    target = load_target(args.target, "cpu", "float32")
+    cache = FeatureCache(args.cache)
+    results = {}
+    for path in args.draft:
+        config = json.loads((Path(path) / "config.json").read_text())
+        objective = build_objective(config.get("preset", "eagle3"), target, {"init_from": path})
+        missing = sorted(set(objective.capture_layers) - set(cache.layers))
+        if missing:
+            raise SystemExit(
+                f"{path} reads target layers {list(objective.capture_layers)} but {args.cache} holds "
+                f"{cache.layers} (missing {missing}); use a cache built for this head's layers"
+            )
+        head, pad_id = objective.init_head.eval(), pad_id_of(target.tokenizer)
+        results[path] = measure(objective, head, cache, args.k, args.batch_size, pad_id)
+        if args.decode:
+            drafter = build_drafter(path, target)
+            pack_for_decoding(target.model, drafter)  # as `draftsmith eval` runs by default
+            results[path]["decode_check"] = decode_check(
+                objective, head, drafter, target, cache, args.k, args.decode, pad_id
+            )
+
+    print(f"\nheld-out rows: {len(cache)} in {args.cache}; k = {args.k}")
+    print("| draft | τ along the walk | per-position acceptance (walk) | steps | τ over every start |")
+    print("|---|---:|---|---:|---:|")
+    for path, r in results.items():
+        walk, every = r["walk"], r["every_start"]
+        positions = " ".join(f"{p:.2f}" for p in walk["per_position"])
+        print(f"| {path} | {walk['tau']:.2f} | {positions} | {walk['steps']} | {every['tau']:.2f} |")
+    for path, r in results.items():
+        if "decode_check" in r:
+            c = r["decode_check"]
+            print(
+                f"{path}: real decoding took {c['steps_equal']} of {c['steps_compared']} compared steps "
+                f"exactly as the walk (τ {c['tau_decoded']:.2f} decoded, {c['tau_simulated']:.2f} simulated)"
+            )
+    if args.out:
+        report = {
+            "cache": args.cache,
+            "rows": len(cache),
+            "k": args.k,
+            "target": target.name,
+            "hardware": hardware_description(torch.device("cpu"), torch.float32),
+            "drafts": results,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
