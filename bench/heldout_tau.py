@@ -1,7 +1,7 @@
-"""Simulated τ of EAGLE heads on held-out rows of a feature cache, without decoding.
+"""Simulated τ of saved drafts on held-out rows, without decoding.
 
-For each head, a k-chain is drafted (teacher-forced, from the cached target features) at every
-position where decoding could start one, and its accepted length recorded. Two averages are printed:
+For each draft, a k-chain is drafted (teacher-forced) at every position where decoding could start
+one, and its accepted length recorded. Two averages are printed:
 
 - along the decoding walk (``train.objective.decoding_walk``): the steps greedy chain decoding takes,
   each starting right after the previous step's last token. This is what ``val/tau`` reports and, on
@@ -9,17 +9,21 @@ position where decoding could start one, and its accepted length recorded. Two a
 - over every start: a chain from every position. This reads high, because decoding starts fewer
   chains where the draft is strong; validation reported it before the walk landed.
 
-With ``--decode N``, the first N single-turn held-out conversations are also decoded for real
-(``decode.speculative.generate`` with the head as drafter and packed CPU kernels, as ``draftsmith
-eval`` runs it), and the accepted length of each verify step is compared with the walk's, step by
-step, up to where the decoded text leaves the data (the data was generated in padded batches, so a
-near-tie can go the other way) and while full k-chains are drafted.
+Held-out rows come from an offline EAGLE run's feature cache (``--cache RUN/feature_cache/heldout``;
+heads must capture the layers it holds) or from a run's recipe (``--recipe RUN/config.yaml``: the
+same held-out split as training, the teacher computed by a target forward; EAGLE and distill drafts).
 
-The cache is a training run's ``feature_cache/heldout`` (offline mode); heads must capture the
-layers it holds. Prints a table, writes JSON.
+With ``--decode N`` (``--cache`` only), the first N single-turn held-out conversations are also
+decoded for real (``decode.speculative.generate`` with the head as drafter and packed CPU kernels, as
+``draftsmith eval`` runs it), and the accepted length of each verify step is compared with the
+walk's, step by step, up to where the decoded text leaves the data (the data was generated in padded
+batches, so a near-tie can go the other way) and while full k-chains are drafted. Prints a table,
+writes JSON.
 
     python bench/heldout_tau.py --cache runs/smollm2_eagle3_cpu_ft/feature_cache/heldout \\
         --draft runs/smollm2_eagle3_cpu/draft runs/smollm2_eagle3_cpu_ft/draft --out /tmp/heldout.json
+    python bench/heldout_tau.py --recipe runs/smollm2_distill_cpu/config.yaml \\
+        --draft runs/smollm2_distill_cpu/draft runs/smollm2_distill_cpu_undistilled
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
 from draftsmith.eval.report import hardware_description
 from draftsmith.eval.stats import AcceptanceStats
+from draftsmith.train.config import load_config
 from draftsmith.train.feature_cache import FeatureCache, collate_cached
-from draftsmith.train.loop import pad_id_of
+from draftsmith.train.loop import pad_id_of, prepare_datasets
 from draftsmith.train.objective import decoding_walk
 from draftsmith.train.registry import build_objective
 
@@ -53,16 +58,40 @@ def summary(histogram: list[int], k: int) -> dict:
     }
 
 
-def measure(objective, head, cache: FeatureCache, k: int, batch_size: int, pad_id: int) -> dict:
+def measure(objective, draft, batches, k: int) -> dict:
     walk = torch.zeros(k + 1, dtype=torch.long)
     every = torch.zeros(k + 1, dtype=torch.long)
+    for batch, teacher in batches:
+        accepted, starts = objective.chain_lengths(draft, batch, teacher, k)
+        walk += decoding_walk(accepted, starts, k)
+        every += torch.bincount(accepted[starts].cpu(), minlength=k + 1)
+    return {"walk": summary(walk.tolist(), k), "every_start": summary(every.tolist(), k)}
+
+
+def cached_batches(cache: FeatureCache, batch_size: int, pad_id: int):
+    """(Batch, Teacher) from an offline feature cache."""
     for lo in tqdm(range(0, len(cache), batch_size), desc="held-out rows", unit="batch", leave=False):
         rows = [cache[i] for i in range(lo, min(lo + batch_size, len(cache)))]
-        batch, teacher = collate_cached(rows, pad_id=pad_id, dtype=torch.float32)
-        accepted, starts = objective.chain_lengths(head, batch, teacher, k)
-        walk += decoding_walk(accepted, starts, k)
-        every += torch.bincount(accepted[starts], minlength=k + 1)
-    return {"walk": summary(walk.tolist(), k), "every_start": summary(every.tolist(), k)}
+        yield collate_cached(rows, pad_id=pad_id, dtype=torch.float32)
+
+
+def recipe_batches(heldout, target, objective, batch_size: int, pad_id: int):
+    """(Batch, Teacher) of a recipe's held-out rows, the teacher computed by a target forward."""
+    from draftsmith.train.data import collate
+    from draftsmith.train.teacher import compute_teacher
+
+    for lo in tqdm(range(0, len(heldout), batch_size), desc="held-out rows", unit="batch", leave=False):
+        batch = collate([heldout[i] for i in range(lo, min(lo + batch_size, len(heldout)))], pad_id)
+        yield batch, compute_teacher(target, batch, objective.capture_layers, objective.teacher_topk)
+
+
+def objective_for(kind: str, options: dict, path: str, target):
+    """The objective of a saved draft of ``kind``, built to load it (``build_draft`` returns it)."""
+    if kind in ("eagle1", "eagle3"):
+        return build_objective(kind, target, {"init_from": path})
+    if kind == "distill":
+        return build_objective(kind, target, {**options, "init": "pretrained", "path": path})
+    raise SystemExit(f"draft kind {kind!r}: this bench measures eagle1, eagle3 and distill drafts")
 
 
 def single_turn_conversations(cache: FeatureCache, count: int, min_answer: int = 32):
@@ -130,11 +159,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument(
-        "--cache", required=True, help="a feature cache folder (e.g. RUN/feature_cache/heldout)"
+        "--target", default=None, help="default: the recipe's, or smollm2-135m-instruct with --cache"
     )
-    parser.add_argument("--draft", required=True, nargs="+", help="EAGLE head folders (RUN/draft)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--cache", help="an EAGLE run's held-out feature cache (RUN/feature_cache/heldout)")
+    source.add_argument(
+        "--recipe",
+        help="a run's resolved config (RUN/config.yaml): its held-out split, the teacher computed online; "
+        "for EAGLE and distill drafts",
+    )
+    parser.add_argument("--draft", required=True, nargs="+", help="saved draft folders (RUN/draft)")
     parser.add_argument("--k", type=int, default=5, help="chain length (default: 5)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument(
@@ -150,28 +185,44 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--k must be at least 1, got {args.k}")
 
     torch.set_grad_enabled(False)
-    target = load_target(args.target, "cpu", "float32")
-    cache = FeatureCache(args.cache)
+    if args.recipe:
+        if args.decode:
+            parser.error("--decode needs --cache (the held-out answers of an offline EAGLE run)")
+        recipe = load_config(args.recipe)
+        target = load_target(args.target or recipe.target.spec, "cpu", "float32")
+        _, heldout = prepare_datasets(recipe, target.tokenizer)
+        kind, options, source, rows = recipe.draft.kind, recipe.draft.options, args.recipe, len(heldout)
+    else:
+        target = load_target(args.target or "smollm2-135m-instruct", "cpu", "float32")
+        cache = FeatureCache(args.cache)
+        source, rows = args.cache, len(cache)
+    pad_id = pad_id_of(target.tokenizer)
     results = {}
     for path in args.draft:
-        config = json.loads((Path(path) / "config.json").read_text())
-        objective = build_objective(config.get("preset", "eagle3"), target, {"init_from": path})
-        missing = sorted(set(objective.capture_layers) - set(cache.layers))
-        if missing:
-            raise SystemExit(
-                f"{path} reads target layers {list(objective.capture_layers)} but {args.cache} holds "
-                f"{cache.layers} (missing {missing}); use a cache built for this head's layers"
-            )
-        head, pad_id = objective.init_head.eval(), pad_id_of(target.tokenizer)
-        results[path] = measure(objective, head, cache, args.k, args.batch_size, pad_id)
+        if not args.recipe:
+            kind = json.loads((Path(path) / "config.json").read_text()).get("preset", "eagle3")
+            options = {}
+        objective = objective_for(kind, options, path, target)
+        draft = objective.build_draft().eval()
+        if args.recipe:
+            batches = recipe_batches(heldout, target, objective, args.batch_size, pad_id)
+        else:
+            missing = sorted(set(objective.capture_layers) - set(cache.layers))
+            if missing:
+                raise SystemExit(
+                    f"{path} reads target layers {list(objective.capture_layers)} but {args.cache} holds "
+                    f"{cache.layers} (missing {missing}); use a cache built for this head's layers"
+                )
+            batches = cached_batches(cache, args.batch_size, pad_id)
+        results[path] = measure(objective, draft, batches, args.k)
         if args.decode:
             drafter = build_drafter(path, target)
             pack_for_decoding(target.model, drafter)  # as `draftsmith eval` runs by default
             results[path]["decode_check"] = decode_check(
-                objective, head, drafter, target, cache, args.k, args.decode, pad_id
+                objective, draft, drafter, target, cache, args.k, args.decode, pad_id
             )
 
-    print(f"\nheld-out rows: {len(cache)} in {args.cache}; k = {args.k}")
+    print(f"\nheld-out rows: {rows} of {source}; k = {args.k}")
     print("| draft | τ along the walk | per-position acceptance (walk) | steps | τ over every start |")
     print("|---|---:|---|---:|---:|")
     for path, r in results.items():
@@ -187,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.out:
         report = {
-            "cache": args.cache,
-            "rows": len(cache),
+            "held_out": source,
+            "rows": rows,
             "k": args.k,
             "target": target.name,
             "hardware": hardware_description(torch.device("cpu"), torch.float32),

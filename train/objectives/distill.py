@@ -78,14 +78,10 @@ def evenly_spaced(num_layers: int, total: int) -> list[int]:
     return sorted({round(i * (total - 1) / (num_layers - 1)) for i in range(num_layers)})
 
 
-def chain_acceptance_histogram(
-    agree: torch.Tensor, valid: torch.Tensor, k: int, starts: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Counts [k + 1] of accepted lengths along the decoding walk (``decoding_walk``): a chain starting
-    at position t accepts the run of consecutive agreements from t (capped at k).
+def chain_run_lengths(agree: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, T]: the run of consecutive agreements from each position t (capped at k; 0 where invalid).
 
     ``agree`` / ``valid`` [B, T]. A run stops at the first disagreement, invalid position or row end.
-    ``starts`` (default: ``valid``): where a chain may start.
     """
     ok = agree.bool() & valid.bool()
     run = ok.clone()
@@ -96,7 +92,16 @@ def chain_acceptance_histogram(
             ahead[:, : ok.shape[1] - j] = ok[:, j:]
             run = run & ahead
         lengths += run.long()
-    return decoding_walk(lengths, valid if starts is None else starts & valid.bool(), k)
+    return lengths
+
+
+def chain_acceptance_histogram(
+    agree: torch.Tensor, valid: torch.Tensor, k: int, starts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Counts [k + 1] of ``chain_run_lengths`` along the decoding walk (``decoding_walk``), with chains
+    starting only where ``starts`` (default: ``valid``) allows."""
+    starts = valid.bool() if starts is None else starts.bool() & valid.bool()
+    return decoding_walk(chain_run_lengths(agree, valid, k), starts, k)
 
 
 class DistillObjective(Objective):
@@ -253,7 +258,7 @@ class DistillObjective(Objective):
 
     @torch.no_grad()
     def acceptance(self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
-        """Simulated greedy chain acceptance, histogram [k + 1] over start positions.
+        """Simulated greedy chain acceptance, histogram [k + 1] over the steps decoding takes.
 
         Approximation: one teacher-forced pass. At each valid position the draft's greedy token is
         compared with the teacher's; the accepted length from position t is the run of consecutive
@@ -261,15 +266,22 @@ class DistillObjective(Objective):
         own earlier tokens, which equal the data only when the data is the target's own greedy
         output; on other data this estimates acceptance on the data's path, not the target's.
         """
+        return decoding_walk(*self.chain_lengths(draft, batch, teacher, k), k)
+
+    @torch.no_grad()
+    def chain_lengths(
+        self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted [B, T - 1], starts [B, T - 1]) for ``decoding_walk``: the run of agreements from
+        each position, and where decoding starts chains (once the target has produced token t itself)."""
         logits = self._draft_logits(draft, batch)
         mask = next_token_mask(batch).to(logits.device)
         t_logits, t_ids = self._teacher(teacher)
         greedy = teacher_labels(
             t_logits.to(logits.device), None if t_ids is None else t_ids.to(logits.device)
         )
-        # decoding drafts from position t only once the target has produced token t itself
         starts = mask & (batch.loss_mask[:, :-1] > 0).to(mask.device)
-        return chain_acceptance_histogram(logits.argmax(-1) == greedy, mask, k, starts)
+        return chain_run_lengths(logits.argmax(-1) == greedy, mask, k), starts
 
     def save(self, draft: nn.Module, directory: Path) -> None:
         """A plain causal-LM directory (loads as a ``causal_lm`` draft) recording its target."""
