@@ -7,7 +7,7 @@ from tiny import tiny_target
 from draftsmith.decode.speculative import generate
 from draftsmith.drafts.loading import kind_of_checkpoint
 from draftsmith.train import losses
-from draftsmith.train.objective import Batch, Teacher
+from draftsmith.train.objective import Batch, Teacher, decoding_walk
 from draftsmith.train.objectives import distill
 from draftsmith.train.objectives.distill import DistillObjective
 from draftsmith.train.registry import build_objective
@@ -113,14 +113,17 @@ def test_micro_batches_with_the_step_token_count_give_the_whole_batch_gradient()
         torch.testing.assert_close(p.grad, whole[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_chain_acceptance_histogram_by_hand():
+def test_chain_run_lengths_by_hand():
     agree = torch.tensor([[1, 1, 0, 1, 1, 1]])
     valid = torch.ones_like(agree)
-    # runs from each start, capped at k = 2: 2, 1, 0, 2, 2, 1; decoding drafts at t = 0 (accepts 2),
-    # then at t = 3 (accepts 2), and the row ends
-    assert distill.chain_acceptance_histogram(agree, valid, 2).tolist() == [0, 0, 2]
+    # runs from each start, capped at k = 2; decoding drafts at t = 0 (accepts 2), then at t = 3
+    # (accepts 2), and the row ends
+    assert distill.chain_run_lengths(agree, valid, 2).tolist() == [[2, 1, 0, 2, 2, 1]]
+    assert decoding_walk(distill.chain_run_lengths(agree, valid, 2), valid, 2).tolist() == [0, 0, 2]
     valid[0, 4] = 0  # an invalid position ends runs and starts none: t = 0 (2), t = 3 (1), t = 5 (1)
-    assert distill.chain_acceptance_histogram(agree, valid, 2).tolist() == [0, 2, 1]
+    lengths = distill.chain_run_lengths(agree, valid, 2)
+    assert lengths.tolist() == [[2, 1, 0, 1, 0, 1]]
+    assert decoding_walk(lengths, valid, 2).tolist() == [0, 2, 1]
 
 
 def test_acceptance_of_an_exact_copy_and_of_a_fresh_draft():

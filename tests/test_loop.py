@@ -16,6 +16,7 @@ from torch import nn
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import acceptance_summary, lr_factor, train
 from draftsmith.train.objective import Batch, Objective, Teacher, decoding_walk
+from draftsmith.train.objectives.distill import chain_run_lengths
 from draftsmith.train.registry import register_objective
 
 
@@ -49,20 +50,11 @@ class LinearHead(Objective):
         return {"loss": loss, "masked_tokens": mask.sum()}
 
     @torch.no_grad()
-    def acceptance(self, draft, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
-        match = (
-            self._logits(draft, teacher).argmax(-1) == teacher.topk_ids[..., 0]
-        ) & batch.attention_mask.bool()
-        hist = torch.zeros(k + 1)
-        for b in range(match.shape[0]):
-            row = match[b].tolist()
-            for t in range(len(row) - 1):
-                if batch.loss_mask[b, t + 1]:
-                    n = 0
-                    while n < k and t + n < len(row) and row[t + n]:
-                        n += 1
-                    hist[n] += 1
-        return hist
+    def chain_lengths(self, draft, batch: Batch, teacher: Teacher, k: int):
+        agree = self._logits(draft, teacher).argmax(-1) == teacher.topk_ids[..., 0]  # t predicts t + 1
+        valid = torch.zeros_like(batch.attention_mask, dtype=torch.bool)
+        valid[:, :-1] = batch.loss_mask[:, 1:].bool() & batch.attention_mask[:, 1:].bool()
+        return chain_run_lengths(agree, valid, k), valid & batch.loss_mask.bool()
 
     def save(self, draft, directory: Path) -> None:
         save_file(draft.state_dict(), str(directory / "model.safetensors"))

@@ -197,4 +197,4 @@ def test_cli_prompts_interleave_files_and_keep_first_user_turns(tmp_path, capsys
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": []}\n')
     assert main([*second, "--exclude", str(bad)]) == 2
-    assert 'line 1 is not a `draftsmith data prompts` record with an "id"' in capsys.readouterr().err
+    assert 'line 1 has no "id"; fix or delete that line, or pass to --exclude' in capsys.readouterr().err

@@ -162,13 +162,14 @@ def run_prompts(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    from draftsmith.train.regenerate import first_user_turns
+    from draftsmith.train.regenerate import first_user_turns, record_ids
 
     if args.count < 1:
         raise ValueError(f"--count must be at least 1, got {args.count}")
     exclude = set()
-    for path in args.exclude:
-        exclude.update(_prompt_ids(Path(path)))
+    for path in map(Path, args.exclude):
+        fix = "or pass to --exclude a prompts file an earlier `draftsmith data prompts` wrote"
+        exclude |= record_ids(path, path.read_text(encoding="utf-8"), "id", fix)
     rows = first_user_turns(args.data, args.count, args.max_chars, exclude)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -181,25 +182,6 @@ def run_prompts(args: argparse.Namespace) -> int:
         + (f"; left out {len(exclude)} prompts of {' '.join(args.exclude)}" if exclude else "")
     )
     return 0
-
-
-def _prompt_ids(path) -> list[str]:
-    """The ids of a `data prompts` output file, with a clear error for anything else."""
-    import json
-
-    ids = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ids.append(json.loads(line)["id"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(
-                    f"--exclude {path}: line {number} is not a `draftsmith data prompts` record with an "
-                    f'"id" ({type(e).__name__}: {e}); pass the prompts file an earlier run wrote'
-                ) from None
-    return ids
 
 
 def run_synthesize(args: argparse.Namespace) -> int:

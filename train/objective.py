@@ -92,10 +92,19 @@ class Objective(ABC):
 
     @abstractmethod
     @torch.no_grad()
+    def chain_lengths(
+        self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced greedy chains on held-out data: (accepted, starts), both [B, T'] — at each
+        position t where decoding can start a chain (``starts``, see ``decoding_walk_steps``), how many
+        of the k tokens drafted after t match the target's greedy tokens (0 elsewhere)."""
+
+    @torch.no_grad()
     def acceptance(self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
         """Simulated greedy acceptance on held-out data: counts [k + 1], a histogram of accepted lengths
         (entry j = verify steps where exactly j drafted tokens match the target's greedy tokens), over the
         steps chain decoding would take along each row (``decoding_walk``)."""
+        return decoding_walk(*self.chain_lengths(draft, batch, teacher, k), k)
 
     on_policy: bool = False
     """True when ``prepare_batch`` needs the draft to generate (then the target must run online)."""

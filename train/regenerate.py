@@ -101,21 +101,27 @@ def read_done(out: str | Path, key: str = "source_id") -> set[str]:
         )
         with out.open("r+b") as f:
             f.truncate(keep)
-    done: set[str] = set()
-    for lineno, line in enumerate(data[:keep].decode("utf-8").splitlines(), start=1):
+    return record_ids(out, data[:keep].decode("utf-8"), key, "or write to a new --out file")
+
+
+def record_ids(path: str | Path, text: str, key: str, fix: str) -> set[str]:
+    """The ``key`` of every JSONL record in ``text`` (read from ``path``); an error naming the line and
+    ending with ``fix`` for a line that is not a JSON object with that key."""
+    ids: set[str] = set()
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(
-                f"{out}: line {lineno} is not valid JSON ({err.msg}); it was not written by draftsmith or is "
-                "damaged — fix or delete that line, or write to a new --out file"
+                f"{path}: line {lineno} is not valid JSON ({err.msg}); it was not written by draftsmith or is "
+                f"damaged — fix or delete that line, {fix}"
             ) from err
         if not isinstance(record, dict) or key not in record:
-            raise ValueError(f"{out}: line {lineno} has no {key}; write to a new --out file")
-        done.add(record[key])
-    return done
+            raise ValueError(f'{path}: line {lineno} has no "{key}"; fix or delete that line, {fix}')
+        ids.add(record[key])
+    return ids
 
 
 def source_conversations(

@@ -36,7 +36,7 @@ from draftsmith.decode.target import Target, resolve_dtype
 from draftsmith.drafts import small_lm
 from draftsmith.train.data import collate
 from draftsmith.train.losses import LOSSES, TokenLoss, distillation_loss, teacher_labels, token_count
-from draftsmith.train.objective import Batch, Objective, Teacher, decoding_walk
+from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.registry import register_objective
 
 INITS = ("target_layers", "config", "pretrained")
@@ -93,15 +93,6 @@ def chain_run_lengths(agree: torch.Tensor, valid: torch.Tensor, k: int) -> torch
             run = run & ahead
         lengths += run.long()
     return lengths
-
-
-def chain_acceptance_histogram(
-    agree: torch.Tensor, valid: torch.Tensor, k: int, starts: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Counts [k + 1] of ``chain_run_lengths`` along the decoding walk (``decoding_walk``), with chains
-    starting only where ``starts`` (default: ``valid``) allows."""
-    starts = valid.bool() if starts is None else starts.bool() & valid.bool()
-    return decoding_walk(chain_run_lengths(agree, valid, k), starts, k)
 
 
 class DistillObjective(Objective):
@@ -257,8 +248,11 @@ class DistillObjective(Objective):
         return int(token_count(next_token_mask(batch)))
 
     @torch.no_grad()
-    def acceptance(self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
-        """Simulated greedy chain acceptance, histogram [k + 1] over the steps decoding takes.
+    def chain_lengths(
+        self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted [B, T - 1], starts [B, T - 1]) for ``decoding_walk``: the run of agreements from
+        each position, and where decoding starts chains (once the target has produced token t itself).
 
         Approximation: one teacher-forced pass. At each valid position the draft's greedy token is
         compared with the teacher's; the accepted length from position t is the run of consecutive
@@ -266,14 +260,6 @@ class DistillObjective(Objective):
         own earlier tokens, which equal the data only when the data is the target's own greedy
         output; on other data this estimates acceptance on the data's path, not the target's.
         """
-        return decoding_walk(*self.chain_lengths(draft, batch, teacher, k), k)
-
-    @torch.no_grad()
-    def chain_lengths(
-        self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(accepted [B, T - 1], starts [B, T - 1]) for ``decoding_walk``: the run of agreements from
-        each position, and where decoding starts chains (once the target has produced token t itself)."""
         logits = self._draft_logits(draft, batch)
         mask = next_token_mask(batch).to(logits.device)
         t_logits, t_ids = self._teacher(teacher)

@@ -32,13 +32,14 @@ from draftsmith.drafts.eagle import (
     packed_segments,
     ttt_attention_mask,
 )
-from draftsmith.train.objective import Batch, Objective, Teacher, decoding_walk
+from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.registry import check_options, register_objective
 
 __all__ = [
     "Eagle1Objective",
     "Eagle3Objective",
     "EagleObjective",
+    "chain_starts",
     "soft_topk_cross_entropy",
     "step_valid_masks",
     "ttt_attention_mask",
@@ -69,6 +70,20 @@ def step_valid_masks(batch: Batch, steps: int) -> torch.Tensor:
     learnt = batch.loss_mask.bool() & real
     return torch.stack(
         [real & shift_left(learnt, 2 + j) & same_conversation(batch, 2 + j) for j in range(steps)]
+    )
+
+
+def chain_starts(batch: Batch, k: int) -> torch.Tensor:
+    """[B, T] bool: anchors where decoding starts a k-chain — token t+1 is learnt (the target produced
+    it, so not an answer's first token, which the prefill gives) and token t+2 too, with k real tokens
+    of the same conversation after t."""
+    real = batch.attention_mask.bool()
+    learnt = real & batch.loss_mask.bool()
+    return (
+        step_valid_masks(batch, 1)[0]
+        & shift_left(learnt, 1)
+        & shift_left(real, k)
+        & same_conversation(batch, k)
     )
 
 
@@ -275,27 +290,15 @@ class EagleObjective(Objective):
         return {"loss": total, **logs}
 
     @torch.no_grad()
-    def acceptance(self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
-        """Greedy chain acceptance simulated on held-out rows, counted along the decoding walk."""
-        return decoding_walk(*self.chain_lengths(draft, batch, teacher, k), k)
-
-    @torch.no_grad()
     def chain_lengths(
         self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(accepted [B, T], starts [B, T]) for ``decoding_walk``: at each start (see
-        ``decoding_walk_steps``), the leading steps of a k-step TTT unroll whose argmax (as a target id)
+        """(accepted [B, T], starts [B, T]) for ``decoding_walk``: at each ``chain_starts`` position, the
+        leading steps of a k-step TTT unroll whose argmax (as a target id)
         equals the target's greedy token there. Teacher forcing feeds the data's tokens, which equals
         chain drafting exactly where the data follows the target's greedy path (e.g. regenerated data)."""
         head = _unwrap(draft)
-        real = batch.attention_mask.bool()
-        learnt = real & batch.loss_mask.bool()
-        starts = (
-            step_valid_masks(batch, 1)[0]
-            & shift_left(learnt, 1)
-            & shift_left(real, k)
-            & same_conversation(batch, k)
-        )
+        starts = chain_starts(batch, k)
         accepted = torch.zeros(starts.shape, dtype=torch.long, device=starts.device)
         if k < 1 or not starts.any():
             return accepted, starts

@@ -17,8 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.drafts.medusa import MedusaConfig, MedusaHeads
-from draftsmith.train.objective import Batch, Objective, Teacher, decoding_walk
-from draftsmith.train.objectives.eagle import shift_left, soft_topk_cross_entropy, step_valid_masks
+from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.objectives.eagle import (
+    chain_starts,
+    shift_left,
+    soft_topk_cross_entropy,
+    step_valid_masks,
+)
 from draftsmith.train.registry import check_options, register_objective
 
 
@@ -85,27 +90,25 @@ class MedusaObjective(Objective):
         return {"loss": total, **logs}
 
     @torch.no_grad()
-    def acceptance(self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int) -> torch.Tensor:
-        """Greedy chain acceptance counted along the decoding walk (``decoding_walk_steps`` says where
-        chains start): accepted length = leading heads whose argmax equals the target's greedy token at
-        their position (at most num_heads). Teacher forcing on the data equals decoding exactly where
-        the data follows the target's greedy path."""
-        real = batch.attention_mask.bool()
-        learnt = real & batch.loss_mask.bool()
-        anchors = step_valid_masks(batch, 1)[0] & shift_left(learnt, 1) & shift_left(real, k)
+    def chain_lengths(
+        self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted [B, T], starts [B, T]) for ``decoding_walk``: at each ``chain_starts`` position, the
+        leading heads whose argmax equals the target's greedy token at their position (at most
+        num_heads). Teacher forcing on the data equals decoding exactly where the data follows the
+        target's greedy path."""
+        starts = chain_starts(batch, k)
+        accepted = torch.zeros(starts.shape, dtype=torch.long, device=starts.device)
         n = min(k, len(self.head_weights))
-        if n < 1:
-            return decoding_walk(torch.zeros(anchors.shape, dtype=torch.long), anchors, k)
-        logits = draft(
-            teacher.features[self.capture_layers[0]], logit_masks=anchors.expand(n, *anchors.shape)
-        )
+        if n < 1 or not starts.any():
+            return accepted, starts
+        logits = draft(teacher.features[self.capture_layers[0]], logit_masks=starts.expand(n, *starts.shape))
         greedy = teacher_greedy(teacher)
         matches = torch.stack(
-            [head.argmax(-1) == shift_left(greedy, 1 + j)[anchors] for j, head in enumerate(logits)], dim=-1
+            [head.argmax(-1) == shift_left(greedy, 1 + j)[starts] for j, head in enumerate(logits)], dim=-1
         )  # [N, n]
-        accepted = torch.zeros(anchors.shape, dtype=torch.long, device=matches.device)
-        accepted[anchors] = matches.long().cumprod(-1).sum(-1)
-        return decoding_walk(accepted, anchors, k)
+        accepted[starts] = matches.long().cumprod(-1).sum(-1)
+        return accepted, starts
 
 
 @register_objective("medusa")
