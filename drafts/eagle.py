@@ -278,7 +278,7 @@ class EagleHead(PreTrainedModel):
         super().__init__(config)
         cfg = config.decoder_config()
         H, V = config.hidden_size, config.vocab_size
-        self.embed_tokens = nn.Embedding(V, H).requires_grad_(False)
+        self.embed_tokens = nn.Embedding(V, H)
         if config.preset == "eagle3":
             self.fuse_features = nn.Linear(len(config.capture_layer_ids) * H, H, bias=False)
             first: list[nn.Module] = [WideInputLayer(cfg, 0)]
@@ -292,14 +292,22 @@ class EagleHead(PreTrainedModel):
         self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
         if not config.lm_head_is_embedding:
             self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
-        if config.preset == "eagle1":  # the target's own final norm and LM head, frozen
-            self.norm.requires_grad_(False)
-            if not config.lm_head_is_embedding:
-                self.lm_head.requires_grad_(False)
         d2t, t2d = build_vocab_map(torch.zeros(V), config.draft_vocab_size)
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
+        self.freeze_target_copies()
         self.post_init()
+
+    def freeze_target_copies(self) -> EagleHead:
+        """Mark the copies of the target's weights as not trainable: the token embedding, and for EAGLE-1
+        the final norm and LM head. ``from_pretrained`` loads fresh parameters, which are trainable
+        again, so a head loaded to train further calls this once more."""
+        self.embed_tokens.requires_grad_(False)
+        if self.config.preset == "eagle1":
+            self.norm.requires_grad_(False)
+            if not self.config.lm_head_is_embedding:
+                self.lm_head.requires_grad_(False)
+        return self
 
     # -- set-up from the target ------------------------------------------------------------------
 

@@ -274,6 +274,9 @@ def test_eagle3_continues_from_a_saved_head(tiny_target_dir, conversations, tmp_
     own_counts = load_file(str(tmp_path / "b" / "token_counts.safetensors"))["token_counts"]
     assert not torch.equal(build_vocab_map(own_counts, 64)[0], start.d2t)  # so the map above was kept
     assert any(not torch.equal(after.state_dict()[k], v) for k, v in start.state_dict().items())
+    # the copy of the target's embedding stays frozen in the continued run (loading had unfrozen it)
+    assert torch.equal(after.embed_tokens.weight, start.embed_tokens.weight)
+    assert all(p.requires_grad is False for n, p in probe.submodules[0].named_parameters() if "embed" in n)
 
     wrong = make_config(
         tiny_target_dir, conversations, tmp_path / "c", "--draft.kind=eagle3", *base.values(),

@@ -238,6 +238,7 @@ class EagleObjective(Objective):
     def build_draft(self) -> EagleHead:
         if self.init_head is not None:
             head = copy.deepcopy(self.init_head).train()  # from_pretrained returns eval mode
+            head.freeze_target_copies()  # loading made every parameter trainable again
             head.config = copy.deepcopy(self.config)  # this run's ttt_steps
             return head
         head = EagleHead(copy.deepcopy(self.config))
