@@ -370,3 +370,18 @@ def test_on_policy_distillation_in_the_loop(tiny_target_dir, conversations, tmp_
     )
     with pytest.raises(ValueError, match="use mode: online"):
         train(offline, **QUIET)
+
+
+def test_max_time_stops_early_and_still_exports(tiny_target_dir, conversations, tmp_path, monkeypatch):
+    """trainer.max_time ends the fit before max_steps; the final validation, checkpoint and export still run."""
+    out = tmp_path / "run"
+    config = make_config(
+        tiny_target_dir, conversations, out, "--trainer.max_steps=40", "--trainer.max_time=0.0001"
+    )
+    result = train(config, **QUIET)
+    assert 1 <= result.steps < 40
+    assert torch.load(result.checkpoint, weights_only=False)["global_step"] == result.steps
+    state = json.loads((result.draft_dir / "train_state.json").read_text())
+    assert state["step"] == result.steps
+    with pytest.raises(ValueError, match="max_time must be > 0"):
+        make_config(tiny_target_dir, conversations, out, "--trainer.max_time=0")

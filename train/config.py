@@ -105,7 +105,11 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 1000
-    """Optimizer steps to train for."""
+    """Optimizer steps to train for. The learning-rate schedule spans them."""
+    max_time: float | None = None
+    """Stop after this many minutes of training even if max_steps is not reached (null = no limit); the
+    run still validates, checkpoints and exports. A safety net for fixed allocations: the schedule does
+    not shrink, so size max_steps to the time (bench/gpu_eagle3.py measures the step time first)."""
     batch_size: int = 8
     """Sequences per micro-batch per device."""
     grad_accum: int = 1
@@ -388,6 +392,8 @@ def validate(config: TrainConfig) -> None:
     for name in ("max_steps", "batch_size", "grad_accum", "val_every", "ckpt_every", "log_every", "val_k"):
         if getattr(t, name) < 1:
             raise ValueError(f"trainer.{name} must be >= 1, got {getattr(t, name)}")
+    if t.max_time is not None and t.max_time <= 0:
+        raise ValueError(f"trainer.max_time must be > 0 minutes (or null for no limit), got {t.max_time}")
     if config.data.heldout < 1:
         raise ValueError("data.heldout must be >= 1: validation needs held-out conversations")
     if not config.data.paths and config.data.regenerated is None:

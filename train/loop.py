@@ -17,6 +17,7 @@ import json
 import math
 from collections import Counter
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -312,6 +313,8 @@ def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Traine
         num_sanity_val_steps=1,
         enable_model_summary=False,
     )
+    if t.max_time is not None:
+        kwargs["max_time"] = timedelta(minutes=t.max_time)
     kwargs.update(overrides)
     return L.Trainer(**kwargs)
 
