@@ -58,12 +58,15 @@ class StepTimer(L.Callback):
 
     def __init__(self) -> None:
         self.seconds, self.tokens, self._start = 0.0, 0, 0.0
+        self.device = torch.device("cpu")
+        """Where the draft trained (offline, the target has gone back to the CPU by then)."""
         self.flops_per_token: float | None = None
         self._counter: FlopCounterMode | None = None
         self._first_positions = 0
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         batch = batch if isinstance(batch, Batch) else batch[0]
+        self.device = module.device
         if self.flops_per_token is None and self._counter is None:  # warm-up step: count, do not time
             self._first_positions = batch.attention_mask.numel()
             self._counter = FlopCounterMode(display=False)
@@ -102,11 +105,15 @@ def main() -> None:
     parser.add_argument("--precision", default=None, help="trainer.precision (e.g. bf16-mixed on a GPU)")
     parser.add_argument("--target-dtype", default=None, help="target.dtype (e.g. bfloat16 on a GPU)")
     parser.add_argument(
+        "--target", default=None, help="target.spec (e.g. a random-init model of the same shape: same FLOPs)"
+    )
+    parser.add_argument(
         "--peak-tflops", type=float, default=None, help="the device's peak bf16 TFLOP/s, if not in the table"
     )
     args = parser.parse_args()
     extra = [f"--trainer.precision={args.precision}"] if args.precision else []
     extra += [f"--target.dtype={args.target_dtype}"] if args.target_dtype else []
+    extra += [f"--target.spec={args.target}"] if args.target else []
 
     rows = {}
     target = None
@@ -134,7 +141,7 @@ def main() -> None:
             train(config, target=target, callbacks=[timer], enable_progress_bar=False)
             wall = time.perf_counter() - start
         per_device = timer.tokens / timer.seconds  # one process, one device
-        peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(target.device)
+        peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(timer.device)
         mfu = timer.flops_per_token * per_device / peak if peak and timer.flops_per_token else None
         rows[name] = {
             "steps": args.steps,

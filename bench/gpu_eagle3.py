@@ -1,0 +1,274 @@
+"""Issue 3's GPU check: train the full EAGLE-3 recipe on one GPU inside a fixed time, bring the head back.
+
+A lent GPU comes with minutes, not hours, and a cosine schedule must know its length in advance. So
+``train`` first times a few steps of the very recipe (same shapes: with ``data.pack`` every micro-batch
+is batch_size x max_length tokens, so a few steps on a slice of the data give the step time), then
+sets ``trainer.max_steps`` to what fits in ``--minutes`` and trains, with ``trainer.max_time`` as a
+safety net. It records tokens/s and model FLOP utilisation of the real run.
+
+A device call returns at most 16 MiB a file, and a head's ``model.safetensors`` holds a copy of the
+target's input embedding (49,152 x 576 for SmolLM2). ``pack`` writes the head without that copy, in
+bfloat16, split into parts small enough to come back; ``unpack`` puts the target's embedding back and
+rebuilds an ordinary float32 head directory that ``draftsmith eval --draft`` loads.
+
+    python bench/gpu_eagle3.py train configs/smollm2_eagle3.yaml --minutes 5 --out $OUT/train.json \\
+        --output.dir=runs/gpu_eagle3 --data.pack=true
+    python bench/gpu_eagle3.py pack runs/gpu_eagle3/draft $OUT/head
+    python bench/gpu_eagle3.py unpack HEAD_PARTS runs/gpu_eagle3/draft        # back here, on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_throughput import StepTimer, peak_flops  # noqa: E402
+
+EMBEDDING = "embed_tokens.weight"
+TEXT_FILES = ("config.json", "train_state.json", "train_config.yaml")
+
+
+class PrintProgress(L.Callback):
+    """One line every ``every`` steps (a device call's log has room for lines, not progress bars)."""
+
+    def __init__(self, every: int):
+        self.every, self.start = every, time.perf_counter()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step % self.every == 0 and step != getattr(self, "_last", None):
+            self._last = step
+            loss = trainer.callback_metrics.get("train/loss")
+            print(f"[gpu_eagle3] step {step}/{trainer.max_steps}  loss {float(loss):.4f}  "
+                  f"{time.perf_counter() - self.start:.0f} s", flush=True)  # fmt: skip
+
+
+def step_seconds(config, target, probe_steps: int) -> dict:
+    """Seconds per optimizer step of ``config``, from ``probe_steps`` steps on a slice of its data."""
+    from draftsmith.train.loop import train
+
+    t = config.trainer
+    rows = probe_steps * t.batch_size * t.grad_accum
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = copy.deepcopy(config)
+        probe.output.dir = tmp
+        probe.trainer.max_steps = probe.trainer.val_every = probe.trainer.ckpt_every = probe_steps
+        probe.trainer.max_time = None
+        probe.data.limit = rows * 4 + 4  # packed rows hold a few conversations each
+        probe.data.heldout = 4
+        timer = StepTimer()
+        train(probe, target=target, callbacks=[timer], enable_progress_bar=False)
+    micro = timer.seconds / max(1, probe_steps * t.grad_accum - 1)  # the first micro-batch is a warm-up
+    return {"seconds_per_step": micro * t.grad_accum, "tokens_per_s": timer.tokens / timer.seconds}
+
+
+def run_train(args, overrides: list[str]) -> None:
+    from draftsmith.decode.target import load_target
+    from draftsmith.eval.report import hardware_description
+    from draftsmith.train.config import load_config
+    from draftsmith.train.distributed import target_device
+    from draftsmith.train.loop import train
+
+    start = time.perf_counter()
+    config = load_config(args.recipe, overrides)
+    tc = config.target
+    target = load_target(tc.spec, device=target_device(tc.device), dtype=tc.dtype)
+    print(f"[gpu_eagle3] target loaded in {time.perf_counter() - start:.0f} s", flush=True)
+    rate_file = Path(args.rate_file) if args.rate_file else None
+    if rate_file is not None and rate_file.exists():
+        probe = json.loads(rate_file.read_text())
+        print(f"[gpu_eagle3] step time from {rate_file}: {probe['seconds_per_step']:.3f} s", flush=True)
+    else:
+        probe = step_seconds(config, target, args.probe_steps)
+        print(f"[gpu_eagle3] probe: {probe['seconds_per_step']:.3f} s/step, {probe['tokens_per_s']:.0f} tok/s",
+              flush=True)  # fmt: skip
+        if rate_file is not None:
+            rate_file.parent.mkdir(parents=True, exist_ok=True)
+            rate_file.write_text(json.dumps(probe))
+    if args.probe_only:
+        return
+    steps = max(1, math.floor(args.minutes * 60 / probe["seconds_per_step"]))
+    if args.max_steps:
+        steps = min(steps, args.max_steps)
+    fitted = [
+        f"--trainer.max_steps={steps}",
+        f"--trainer.max_time={args.minutes * 1.1}",
+        f"--trainer.ckpt_every={max(1, steps // 4)}",
+        f"--trainer.val_every={steps}",
+        f"--optim.warmup_steps={max(1, min(config.optim.warmup_steps, steps // 20))}",
+    ]
+    config = load_config(args.recipe, overrides + fitted)
+    print(f"[gpu_eagle3] training {steps} steps (~{args.minutes:.1f} min)", flush=True)
+    timer = StepTimer()
+    began = time.perf_counter()
+    result = train(
+        config,
+        target=target,
+        callbacks=[timer, PrintProgress(max(1, steps // 20))],
+        enable_progress_bar=False,
+    )
+    wall = time.perf_counter() - began
+    per_s = timer.tokens / timer.seconds
+    peak = peak_flops(timer.device)
+    report = {
+        "recipe": args.recipe,
+        "overrides": overrides + fitted,
+        "hardware": hardware_description(target.device, target.dtype),
+        "date": time.strftime("%Y-%m-%d"),
+        "probe": probe,
+        "steps": result.steps,
+        "train_wall_seconds": wall,
+        "step_seconds": timer.seconds,
+        "tokens": timer.tokens,
+        "tokens_per_s": per_s,
+        "model_flops_per_token": timer.flops_per_token,
+        "mfu": timer.flops_per_token * per_s / peak if peak and timer.flops_per_token else None,
+        "val": result.val,
+        "draft_dir": str(result.draft_dir),
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k != "overrides"}, indent=2), flush=True)
+
+
+def embedding_digest(weight: torch.Tensor) -> str:
+    """sha256 of an embedding rounded to bfloat16: a bf16 target on the GPU and the float32 one here agree."""
+    data = weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()
+
+
+def pack(draft_dir: Path, out: Path, max_mb: float) -> list[Path]:
+    """The head minus the target's embedding, bfloat16 floats, in files of at most ``max_mb`` MB.
+
+    A tensor larger than that is cut into row blocks named ``NAME@i``; ``manifest.json`` records the
+    digest of the embedding left out, so ``unpack`` refuses a target whose embedding is another.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    limit = int(max_mb * 1e6)
+    pieces: list[tuple[str, torch.Tensor]] = []
+    digest = None
+    with safe_open(str(draft_dir / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            tensor = f.get_tensor(name)
+            if name == EMBEDDING:
+                digest = embedding_digest(tensor)
+                continue
+            if tensor.is_floating_point():
+                tensor = tensor.to(torch.bfloat16)
+            row_bytes = max(1, tensor[0].numel() * tensor.element_size()) if tensor.ndim else 1
+            if tensor.ndim and tensor.numel() * tensor.element_size() > limit:
+                rows = max(1, limit // row_bytes)
+                pieces += [(f"{name}@{i}", block) for i, block in enumerate(tensor.split(rows))]
+            else:
+                pieces.append((name, tensor))
+    if digest is None:
+        raise ValueError(f"{draft_dir} holds no {EMBEDDING}: not an EAGLE head saved by `draftsmith train`")
+    files: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in pieces:
+        nbytes = tensor.numel() * tensor.element_size()
+        if files[-1] and size + nbytes > limit:
+            files.append({})
+            size = 0
+        files[-1][name] = tensor.contiguous()
+        size += nbytes
+    written = []
+    for i, part in enumerate(files):
+        path = out / f"head-{i:02d}.safetensors"
+        save_file(part, str(path))
+        written.append(path)
+    (out / "manifest.json").write_text(json.dumps({"embedding_bf16_sha256": digest, "files": len(files)}))
+    for name in TEXT_FILES:
+        if (draft_dir / name).exists():
+            shutil.copy(draft_dir / name, out / name)
+    return written
+
+
+def unpack(parts_dir: Path, draft_dir: Path, target_spec: str) -> Path:
+    """Rebuild a float32 head directory from ``pack``'s files and the target's own embedding."""
+    from draftsmith.decode.target import load_target
+    from draftsmith.drafts import build_drafter
+
+    manifest = json.loads((parts_dir / "manifest.json").read_text())
+    paths = sorted(parts_dir.glob("head-*.safetensors"))
+    if len(paths) != manifest["files"]:
+        raise FileNotFoundError(f"{parts_dir} holds {len(paths)} of the {manifest['files']} head files")
+    blocks: dict[str, dict[int, torch.Tensor]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for path in paths:
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                tensor = tensor.float() if tensor.is_floating_point() else tensor
+                base, _, index = name.partition("@")
+                if index:
+                    blocks.setdefault(base, {})[int(index)] = tensor
+                else:
+                    tensors[name] = tensor
+    for base, parts in blocks.items():
+        tensors[base] = torch.cat([parts[i] for i in range(len(parts))])
+    target = load_target(target_spec, device="cpu", dtype="float32")
+    embedding = target.model.get_input_embeddings().weight.detach().clone().float()
+    if embedding_digest(embedding) != manifest["embedding_bf16_sha256"]:
+        raise ValueError(
+            f"the head in {parts_dir} was trained with another token embedding than {target_spec}'s "
+            "(another target, or an embedding that changed in training): bring its model.safetensors whole"
+        )
+    tensors[EMBEDDING] = embedding
+    draft_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(draft_dir / "model.safetensors"))
+    for name in TEXT_FILES:
+        if (parts_dir / name).exists():
+            shutil.copy(parts_dir / name, draft_dir / name)
+    build_drafter(str(draft_dir), target)  # loads it, checking it against this target
+    return draft_dir
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="time a few steps, then train what fits in --minutes")
+    t.add_argument("recipe")
+    t.add_argument("--minutes", type=float, default=5.0, help="training time to fit the steps to")
+    t.add_argument("--probe-steps", type=int, default=8)
+    t.add_argument("--max-steps", type=int, default=None, help="at most this many steps")
+    t.add_argument("--rate-file", default=None, help="read the step time from here, or write the probe's")
+    t.add_argument("--probe-only", action="store_true", help="time the steps and stop")
+    t.add_argument("--out", default=None, help="JSON report")
+    k = sub.add_parser("pack", help="the head without the target's embedding, bf16, in small parts")
+    k.add_argument("draft_dir", type=Path)
+    k.add_argument("out", type=Path)
+    k.add_argument("--max-mb", type=float, default=15.0)
+    u = sub.add_parser("unpack", help="rebuild a float32 head directory from pack's parts")
+    u.add_argument("parts_dir", type=Path)
+    u.add_argument("draft_dir", type=Path)
+    u.add_argument("--target", default="smollm2-135m-instruct")
+    args, rest = p.parse_known_args()
+    if args.command == "train":
+        run_train(args, rest)
+    elif rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    elif args.command == "pack":
+        for path in pack(args.draft_dir, args.out, args.max_mb):
+            print(f"{path}  {path.stat().st_size / 1e6:.1f} MB")
+    else:
+        print(unpack(args.parts_dir, args.draft_dir, args.target))
+
+
+if __name__ == "__main__":
+    main()
