@@ -199,9 +199,8 @@ def pack(draft_dir: Path, out: Path, max_mb: float) -> list[Path]:
     return written
 
 
-def unpack(parts_dir: Path, draft_dir: Path, target_spec: str) -> Path:
-    """Rebuild a float32 head directory from ``pack``'s files and the target's own embedding."""
-    from draftsmith.decode.target import load_target
+def unpack(parts_dir: Path, draft_dir: Path, target) -> Path:
+    """Rebuild a float32 head directory from ``pack``'s files and ``target``'s own embedding."""
     from draftsmith.drafts import build_drafter
 
     manifest = json.loads((parts_dir / "manifest.json").read_text())
@@ -222,11 +221,10 @@ def unpack(parts_dir: Path, draft_dir: Path, target_spec: str) -> Path:
                     tensors[name] = tensor
     for base, parts in blocks.items():
         tensors[base] = torch.cat([parts[i] for i in range(len(parts))])
-    target = load_target(target_spec, device="cpu", dtype="float32")
     embedding = target.model.get_input_embeddings().weight.detach().clone().float()
     if embedding_digest(embedding) != manifest["embedding_bf16_sha256"]:
         raise ValueError(
-            f"the head in {parts_dir} was trained with another token embedding than {target_spec}'s "
+            f"the head in {parts_dir} was trained with another token embedding than {target.name}'s "
             "(another target, or an embedding that changed in training): bring its model.safetensors whole"
         )
     tensors[EMBEDDING] = embedding
@@ -267,7 +265,10 @@ def main() -> None:
         for path in pack(args.draft_dir, args.out, args.max_mb):
             print(f"{path}  {path.stat().st_size / 1e6:.1f} MB")
     else:
-        print(unpack(args.parts_dir, args.draft_dir, args.target))
+        from draftsmith.decode.target import load_target
+
+        target = load_target(args.target, device="cpu", dtype="float32")
+        print(unpack(args.parts_dir, args.draft_dir, target))
 
 
 if __name__ == "__main__":
