@@ -343,6 +343,43 @@ class EagleHead(PreTrainedModel):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
+    @torch.no_grad()
+    def shrink_vocab(self, token_counts: torch.Tensor, draft_vocab_size: int) -> EagleHead:
+        """Keep only the ``draft_vocab_size`` most frequent tokens of the draft vocabulary (EAGLE-3).
+
+        Drafting reads the whole draft LM head for every drafted token, and on a weight-bound device that
+        product is most of a one-layer head's cost; the rarest rows are seldom the target's choice. The
+        kept rows are copied unchanged, so on tokens still in the vocabulary the head ranks as before
+        (``token_counts`` [V]: frequencies over target ids, e.g. of the target's own answers; ties keep
+        the lower id). The config's ``draft_vocab_size`` follows. In place; returns the head.
+        """
+        if self.config.preset != "eagle3" or self.config.lm_head_is_embedding:
+            raise ValueError(
+                "shrink_vocab needs an EAGLE-3 head with its own LM head over a draft vocabulary"
+            )
+        current = self.config.draft_vocab_size
+        if not 1 <= draft_vocab_size <= current:
+            raise ValueError(
+                f"draft_vocab_size must be in 1..{current} (this head's), got {draft_vocab_size}"
+            )
+        counts = token_counts.reshape(-1).double()
+        if counts.numel() != self.config.vocab_size:
+            raise ValueError(
+                f"token_counts has {counts.numel()} entries, the target vocabulary {self.config.vocab_size}"
+            )
+        order = torch.sort(counts[self.d2t], descending=True, stable=True).indices[:draft_vocab_size]
+        keep = order.sort().values  # draft ids in ascending target-id order, as build_vocab_map makes them
+        old = self.lm_head
+        self.lm_head = nn.Linear(old.in_features, draft_vocab_size, bias=False, device=old.weight.device)
+        self.lm_head.weight.copy_(old.weight[keep].to(self.lm_head.weight.dtype))
+        self.lm_head.to(old.weight.dtype)
+        d2t = self.d2t[keep].clone()
+        t2d = torch.zeros_like(self.t2d)
+        t2d[d2t] = True
+        self.d2t, self.t2d = d2t, t2d  # buffers: assigning a tensor replaces the registered buffer
+        self.config.draft_vocab_size = draft_vocab_size
+        return self
+
     # -- the pieces drafting and training share ---------------------------------------------------
 
     def fuse(self, features: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -18,6 +18,10 @@ SUBCOMMANDS = {
         "draftsmith.train.data_cli",
         "prepare training data (e.g. regenerate responses with the target)",
     ),
+    "shrink-vocab": (
+        "draftsmith.train.shrink_vocab",
+        "keep only the most frequent rows of an EAGLE-3 head's draft vocabulary (faster drafting)",
+    ),
     "publish": (
         "draftsmith.publish",
         "publish a draft checkpoint to the Hugging Face Hub with a model card of measured numbers",
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.command is None else 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"draftsmith {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

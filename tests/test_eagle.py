@@ -287,3 +287,40 @@ def test_sampled_decoding_returns_valid_tokens(target, preset):
     assert float(proposal.probs[:, ~head.t2d].sum()) == 0.0
     assert bool(head.t2d[proposal.tokens].all())
     target.set_capture(())
+
+
+def test_shrink_vocab_keeps_the_most_frequent_rows_and_stays_lossless(target, batch, tmp_path):
+    objective = objective_for(target, "eagle3", batch, ttt_steps=2)
+    teacher = make_teacher(target, batch, objective.capture_layers, objective.teacher_topk)
+    head, _, _ = train(objective, batch, teacher, steps=10)
+    head.eval()
+    before_d2t, before_w = head.d2t.clone(), head.lm_head.weight.detach().clone()
+    counts = torch.bincount(batch.input_ids.flatten(), minlength=target.vocab_size)
+    counts[before_d2t[7]] = 10_000  # a row that must survive
+    head.shrink_vocab(counts, 40)
+
+    d2t = head.d2t
+    assert d2t.tolist() == sorted(d2t.tolist()) and len(d2t) == 40 == head.config.draft_vocab_size
+    assert int(before_d2t[7]) in d2t.tolist()
+    kept = {int(t) for t in d2t}
+    dropped = [int(t) for t in before_d2t if int(t) not in kept]
+    assert max(counts[dropped]) <= min(counts[d2t])  # only the rarest went
+    assert head.t2d.sum() == 40 and bool(head.t2d[d2t].all())
+    rows = [before_d2t.tolist().index(t) for t in d2t.tolist()]
+    assert torch.equal(head.lm_head.weight, before_w[rows])  # rows copied, not retrained
+
+    head.save_pretrained(tmp_path)
+    loaded = EagleHead.from_pretrained(tmp_path).eval()
+    assert loaded.config.draft_vocab_size == 40 and torch.equal(loaded.d2t, d2t)
+    prompt = batch.input_ids[0, :6]
+    reference = generate(target, prompt, None, max_new_tokens=20).tokens
+    assert (
+        generate(target, prompt, build_drafter(str(tmp_path), target), k=4, max_new_tokens=20).tokens
+        == reference
+    )
+
+    with pytest.raises(ValueError, match="must be in 1..40"):
+        loaded.shrink_vocab(counts, 41)
+    eagle1 = objective_for(target, "eagle1").build_draft()
+    with pytest.raises(ValueError, match="EAGLE-3 head"):
+        eagle1.shrink_vocab(counts, 10)
