@@ -46,21 +46,34 @@ class PrintProgress(L.Callback):
     """One line every ``every`` steps (a device call's log has room for lines, not progress bars)."""
 
     def __init__(self, every: int):
-        self.every, self.start = every, time.perf_counter()
+        self.every, self.start, self.last = every, time.perf_counter(), -1
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if step % self.every == 0 and step != getattr(self, "_last", None):
-            self._last = step
+        step = trainer.global_step  # with gradient accumulation several micro-batches share a step
+        if step % self.every == 0 and step != self.last:
+            self.last = step
             loss = trainer.callback_metrics.get("train/loss")
             print(f"[gpu_eagle3] step {step}/{trainer.max_steps}  loss {float(loss):.4f}  "
                   f"{time.perf_counter() - self.start:.0f} s", flush=True)  # fmt: skip
+
+
+def step_shape(config) -> dict:
+    """What the step time depends on: a probe timed for another shape is not reused."""
+    t, d = config.trainer, config.data
+    return {
+        "mode": config.mode, "target_dtype": config.target.dtype, "precision": t.precision,
+        "batch_size": t.batch_size, "grad_accum": t.grad_accum, "max_length": d.max_length, "pack": d.pack,
+        "draft": {"kind": config.draft.kind, **config.draft.options},
+    }  # fmt: skip
 
 
 def step_seconds(config, target, probe_steps: int) -> dict:
     """Seconds per optimizer step of ``config``, from ``probe_steps`` steps on a slice of its data."""
     from draftsmith.train.loop import train
 
+    if not config.data.pack:
+        print("[gpu_eagle3] data.pack is false: batches vary in length, so the probe's step time is a rough guess",
+              flush=True)  # fmt: skip
     t = config.trainer
     rows = probe_steps * t.batch_size * t.grad_accum
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,7 +86,11 @@ def step_seconds(config, target, probe_steps: int) -> dict:
         timer = StepTimer()
         train(probe, target=target, callbacks=[timer], enable_progress_bar=False)
     micro = timer.seconds / max(1, probe_steps * t.grad_accum - 1)  # the first micro-batch is a warm-up
-    return {"seconds_per_step": micro * t.grad_accum, "tokens_per_s": timer.tokens / timer.seconds}
+    return {
+        "seconds_per_step": micro * t.grad_accum,
+        "tokens_per_s": timer.tokens / timer.seconds,
+        "shape": step_shape(config),
+    }
 
 
 def run_train(args, overrides: list[str]) -> None:
@@ -89,10 +106,13 @@ def run_train(args, overrides: list[str]) -> None:
     target = load_target(tc.spec, device=target_device(tc.device), dtype=tc.dtype)
     print(f"[gpu_eagle3] target loaded in {time.perf_counter() - start:.0f} s", flush=True)
     rate_file = Path(args.rate_file) if args.rate_file else None
-    if rate_file is not None and rate_file.exists():
-        probe = json.loads(rate_file.read_text())
+    saved = json.loads(rate_file.read_text()) if rate_file is not None and rate_file.exists() else None
+    if saved is not None and saved.get("shape") == json.loads(json.dumps(step_shape(config))):
+        probe = saved
         print(f"[gpu_eagle3] step time from {rate_file}: {probe['seconds_per_step']:.3f} s", flush=True)
     else:
+        if saved is not None:
+            print(f"[gpu_eagle3] {rate_file} was timed for another step shape; timing this one", flush=True)
         probe = step_seconds(config, target, args.probe_steps)
         print(f"[gpu_eagle3] probe: {probe['seconds_per_step']:.3f} s/step, {probe['tokens_per_s']:.0f} tok/s",
               flush=True)  # fmt: skip

@@ -69,3 +69,8 @@ def test_cli_refuses_another_targets_tokenizer(setup, capsys):
     )  # fmt: skip
     assert code == 2 and "was trained with" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+    # a draft of another kind (here the target itself, an ordinary causal LM) is named as such
+    code = main(
+        ["shrink-vocab", str(other), "--size", "30", "--data", str(data), "--out", str(tmp_path / "x")]
+    )
+    assert code == 2 and "is a causal_lm draft" in capsys.readouterr().err

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     from draftsmith.decode.target import resolve_model_path, tokenizer_fingerprint
     from draftsmith.drafts.eagle import EagleHead
+    from draftsmith.drafts.loading import kind_of_checkpoint
     from draftsmith.train.checkpoint import replace_dir_atomic
     from draftsmith.train.data import build_dataset
     from draftsmith.train.loop import count_tokens
@@ -70,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
     if not (head_dir / "config.json").is_file():
         raise FileNotFoundError(
             f"{head_dir} is not a head directory saved by `draftsmith train` (no config.json)"
+        )
+    kind = kind_of_checkpoint(str(head_dir))
+    if kind != "eagle":
+        raise ValueError(
+            f"{head_dir} is a {kind} draft; shrink-vocab works on EAGLE-3 heads (their own draft LM head)"
         )
     if out.exists():
         raise FileExistsError(f"{out} exists; pass a new --out directory (nothing was written)")
