@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 class TargetConfig:
     spec: str = "smollm2-135m-instruct"
     """The frozen target: a Hub id, a local directory, a .gguf file or the alias smollm2-135m-instruct."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype the target is loaded in (bfloat16 halves memory and the offline cache on GPUs)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Dtype the target is loaded in (bfloat16 halves memory and the offline cache); auto = bfloat16 where
+    bf16 matrix products are fast (a GPU with bf16, a CPU with AMX or AVX512-BF16), else float32."""
     device: str = "auto"
     """Where the target is loaded and the offline cache computed (auto = this rank's GPU if there is one,
     else cpu); during training it follows the draft to the trainer's device."""
@@ -123,7 +124,9 @@ class TrainerConfig:
     log_every: int = 10
     """Log training metrics every this many optimizer steps."""
     precision: str = "32-true"
-    """Lightning precision: 32-true, bf16-mixed (GPUs: fp32 weights, bf16 compute), 16-mixed, bf16-true."""
+    """Lightning precision: 32-true, bf16-mixed (fp32 weights, bf16 compute), 16-mixed, bf16-true; auto =
+    bf16-mixed where bf16 matrix products are fast (a GPU with bf16, a CPU with AMX or AVX512-BF16: on
+    the project's AMX Xeon, 2.7x the tokens/s of online EAGLE-3 training), else 32-true."""
     seed: int = 0
     """Seed for initialisation and data order."""
     accelerator: str = "auto"

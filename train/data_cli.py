@@ -44,7 +44,11 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda, cuda:1, ...")
     parser.add_argument(
-        "--dtype", default="float32", choices=list(DTYPES), help="target weights (default: float32)"
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="target weights; auto (default) = bfloat16 where bf16 matrix products are fast (a GPU with "
+        "bf16, a CPU with AMX or AVX512-BF16), else float32",
     )
     parser.add_argument(
         "--cpu-kernels",

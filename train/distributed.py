@@ -9,6 +9,7 @@ frozen target is never part of the strategy's module: each rank holds it in its 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.train.config import TrainerConfig
+from draftsmith.train.config import TrainConfig, TrainerConfig
 
 DEEPSPEED_INSTALL = "pip install 'draftsmith[deepspeed]'"
 
@@ -51,6 +52,31 @@ def target_device(device: str) -> str:
     if device != "auto" or not torch.cuda.is_available():
         return device
     return f"cuda:{env_rank()[1]}"
+
+
+def trainer_device_type(t: TrainerConfig) -> str:
+    """``cuda`` when the trainer will run on GPUs (its accelerator allows them and one is visible), else ``cpu``."""
+    wants_gpu = t.accelerator in ("auto", "gpu", "cuda")
+    return "cuda" if wants_gpu and torch.cuda.is_available() else "cpu"
+
+
+def resolve_auto_precision(config: TrainConfig) -> TrainConfig:
+    """``trainer.precision: auto`` and ``target.dtype: auto`` made concrete for this machine.
+
+    Where bfloat16 matrix products are fast (``bf16_is_fast``: a GPU with bf16, or a CPU with AMX or
+    AVX512-BF16), the draft trains in bf16-mixed (float32 master weights) and the frozen target runs in
+    bfloat16; elsewhere both stay float32. The resolved values are what the run's config.yaml records.
+    """
+    from draftsmith.decode.target import bf16_is_fast, resolve_device
+
+    t, tc = config.trainer, config.target
+    if t.precision == "auto":
+        fast = bf16_is_fast(trainer_device_type(t))
+        t = dataclasses.replace(t, precision="bf16-mixed" if fast else "32-true")
+    if tc.dtype == "auto":
+        fast = bf16_is_fast(resolve_device(target_device(tc.device)))
+        tc = dataclasses.replace(tc, dtype="bfloat16" if fast else "float32")
+    return dataclasses.replace(config, trainer=t, target=tc)
 
 
 def deepspeed_available() -> bool:

@@ -47,6 +47,7 @@ from draftsmith.train.distributed import (
     check_strategy,
     enable_activation_checkpointing,
     env_rank,
+    resolve_auto_precision,
     target_device,
 )
 from draftsmith.train.feature_cache import FeatureCache, build_feature_cache, collate_cached
@@ -335,6 +336,14 @@ def train(
             "or set --output.dir to a new directory"
         )
     check_strategy(config.trainer)
+    resolved = resolve_auto_precision(config)
+    if resolved != config:
+        print(
+            f"[draftsmith] auto precision on this machine: trainer.precision={resolved.trainer.precision}, "
+            f"target.dtype={resolved.target.dtype}",
+            flush=True,
+        )
+    config = resolved
     rank, _, world_size = env_rank()  # known before Lightning starts the process group
     if rank == 0:
         remove_partial_checkpoints(output_dir)  # left by a run killed while writing one
