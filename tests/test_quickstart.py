@@ -33,12 +33,15 @@ def test_a_finished_training_is_not_repeated(tmp_path):
 
     from draftsmith.quickstart import ROOT, training_finished
 
+    from draftsmith.train.config import load_config
+
     recipe = ROOT / "configs" / "quickstart.yaml"
+    max_steps = load_config(recipe).trainer.max_steps
     assert not training_finished(tmp_path, recipe, [])  # nothing trained yet
     (tmp_path / "draft").mkdir()
     state = tmp_path / "draft" / "train_state.json"
-    state.write_text(json.dumps({"step": 30}))  # exported at a mid-run validation: resume it
+    state.write_text(json.dumps({"step": max_steps // 2}))  # exported at a mid-run validation: resume it
     assert not training_finished(tmp_path, recipe, [])
-    state.write_text(json.dumps({"step": 60}))
+    state.write_text(json.dumps({"step": max_steps}))
     assert training_finished(tmp_path, recipe, [])
-    assert not training_finished(tmp_path, recipe, ["--trainer.max_steps=100"])
+    assert not training_finished(tmp_path, recipe, [f"--trainer.max_steps={max_steps + 40}"])
