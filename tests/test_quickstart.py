@@ -32,7 +32,6 @@ def test_a_finished_training_is_not_repeated(tmp_path):
     import json
 
     from draftsmith.quickstart import ROOT, training_finished
-
     from draftsmith.train.config import load_config
 
     recipe = ROOT / "configs" / "quickstart.yaml"
