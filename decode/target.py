@@ -64,7 +64,8 @@ def cpu_flags() -> frozenset[str]:
 def bf16_is_fast(device: str | torch.device) -> bool:
     """True where bfloat16 matrix products outrun float32: a CUDA GPU with bf16 support, or a CPU with
     bf16 matrix instructions. On the project's Xeon with AMX, a [2048, 576] x [576, 1536] product runs
-    at 2.5 TFLOP/s in bf16 against 0.27 in float32; a CPU without them emulates bf16 and is slower."""
+    at 2.50 TFLOP/s in bf16 against 0.32 in float32 (bench/cpu_bf16.py); a CPU without them emulates
+    bf16 and is slower."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()

@@ -5,7 +5,7 @@
    where the machine has fast bf16 (``precision: auto``; float32 elsewhere, capped at 7 minutes);
    with ``--regenerate N`` it first has the target answer N training prompts (self-distillation,
    ``draftsmith data regenerate``) and trains on those answers instead — better data in principle,
-   but generation runs at about 250 tokens/s in bf16 on a 2-core AMX CPU (100 in float32), and on
+   but generation runs at about 250-370 tokens/s in bf16 on a 2-core AMX CPU (100 in float32), and on
    12 dev prompts, 320 regenerated answers added to the shipped files moved τ within noise
    (1.24 against 1.21, BENCHMARKS.md);
 2. ``draftsmith eval``: the head against the n-gram drafter and the target alone on dev prompts
