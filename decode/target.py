@@ -11,8 +11,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -20,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, StaticCache
 
+from draftsmith import files
 from draftsmith.decode.features import capture_layers
 
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
@@ -138,16 +137,13 @@ def convert_gguf(gguf: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = gguf.stem
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
+
+    def fill(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "draftsmith_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
-        os.replace(tmp, out)  # atomic: a half-written conversion is never picked up
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    files.replace_dir(out, fill)  # atomic: a half-written conversion is never picked up
     return out
 
 

@@ -16,9 +16,6 @@ as ``assistant_model`` and as ``draftsmith eval --draft DIR``) that records its 
 from __future__ import annotations
 
 import copy
-import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +23,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from draftsmith import files
 from draftsmith.decode.features import decoder_layers
 from draftsmith.decode.target import Target, load_causal_lm
 from draftsmith.drafts.causal_lm import check_same_vocabulary
@@ -206,23 +204,4 @@ def save_draft(
     The directory appears complete or not at all (written aside, then renamed into place); an
     existing one is replaced.
     """
-    out = Path(directory)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
-    old = None
-    try:
-        _write(model, tokenizer, target, tmp, merge)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-            os.replace(out, old / out.name)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out.exists():
-            os.replace(old / out.name, out)  # put the previous checkpoint back
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    return out
+    return files.replace_dir(directory, lambda tmp: _write(model, tokenizer, target, tmp, merge))

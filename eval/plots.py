@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
+
+from draftsmith import files
 
 PLOT_NAME = "acceptance.png"
 
@@ -39,13 +39,8 @@ def plot_report(report: dict, path: str | Path) -> Path:
     right.set_title("τ by category")
     fig.suptitle(f"{report['target']} — k = {report['settings'].get('k')}", fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
+        files.write_with(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
     return path

@@ -295,7 +295,8 @@ def test_eagle3_continues_from_a_saved_head(tiny_target_dir, conversations, tmp_
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
-    from draftsmith.train.checkpoint import AtomicCheckpointIO, last_checkpoint, replace_dir_atomic
+    from draftsmith.files import replace_dir
+    from draftsmith.train.checkpoint import AtomicCheckpointIO, last_checkpoint
 
     path = tmp_path / "checkpoints" / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"global_step": 1}, path)
@@ -313,14 +314,14 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
 
     draft = tmp_path / "draft"
-    replace_dir_atomic(draft, lambda d: (d / "a.txt").write_text("v1"))
+    replace_dir(draft, lambda d: (d / "a.txt").write_text("v1"))
 
     def fails(d):
         (d / "a.txt").write_text("half")
         raise RuntimeError("export failed")
 
     with pytest.raises(RuntimeError):
-        replace_dir_atomic(draft, fails)
+        replace_dir(draft, fails)
     assert (draft / "a.txt").read_text() == "v1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "draft"]  # no temp dirs left
 

@@ -7,15 +7,14 @@ place, so a crash or a full disk never leaves a half-written checkpoint where ``
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from draftsmith import files
 
 CHECKPOINT_DIR = "checkpoints"
 LAST = "last.ckpt"
@@ -23,20 +22,12 @@ DRAFT_DIR = "draft"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning checkpoint IO that writes to ``.<name>.tmp-<pid>`` and renames into place."""
+    """Lightning checkpoint IO that writes to ``.<name>.tmp-*`` and renames into place."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            torch.save(checkpoint, tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        files.write_with(path, lambda tmp: torch.save(checkpoint, tmp))
 
 
 def last_checkpoint(output_dir: str | Path) -> Path | None:
@@ -60,39 +51,6 @@ def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:
     return removed
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def replace_dir_atomic(directory: str | Path, fill: Callable[[Path], None]) -> Path:
-    """Build a directory with ``fill(tmp_dir)`` and swap it in for ``directory``.
-
-    The old directory is moved aside, the new one renamed into place, then the old one deleted: a
-    reader sees the old whole directory or the new whole directory (or, for an instant, none).
-    """
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
-    try:
-        fill(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if directory.exists():
-        old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(directory, old)
-    os.replace(tmp, directory)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return directory
-
-
 def export_draft(
     objective, draft: torch.nn.Module, directory: str | Path, extra_files: dict[str, str]
 ) -> Path:
@@ -103,4 +61,4 @@ def export_draft(
         for name, text in extra_files.items():
             (tmp / name).write_text(text)
 
-    return replace_dir_atomic(directory, fill)
+    return files.replace_dir(directory, fill)

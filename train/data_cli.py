@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from draftsmith import files
 from draftsmith.decode.target import DTYPES
 
 REGENERATE_HELP = """\
@@ -163,7 +164,6 @@ def add_parser(subparsers) -> None:
 
 def run_prompts(args: argparse.Namespace) -> int:
     import json
-    import os
     from pathlib import Path
 
     from draftsmith.train.regenerate import first_user_turns, record_ids
@@ -175,11 +175,7 @@ def run_prompts(args: argparse.Namespace) -> int:
         fix = "or pass to --exclude a prompts file an earlier `draftsmith data prompts` wrote"
         exclude |= record_ids(path, path.read_text(encoding="utf-8"), "id", fix)
     rows = first_user_turns(args.data, args.count, args.max_chars, exclude)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, out)
+    out = files.write_text(args.out, "".join(json.dumps(r) + "\n" for r in rows))
     print(
         f"wrote {len(rows)} prompts to {out}"
         + ("" if len(rows) == args.count else f" (the files hold only {len(rows)})")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from draftsmith import files
 from draftsmith.decode.target import Target
 from draftsmith.train.objective import Batch, Teacher
 from draftsmith.train.teacher import compute_teacher
@@ -245,9 +245,7 @@ def _write_manifest(directory: Path, manifest: dict) -> None:
     path = directory / MANIFEST
     if path.exists():
         _check_manifest(directory, json.loads(path.read_text()), manifest)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, path)
+    files.write_text(path, json.dumps(manifest, indent=2))
 
 
 def _check_manifest(directory: Path, old: dict, manifest: dict) -> None:
@@ -313,9 +311,8 @@ def _write_shard(target, rows, path, layers, topk, batch_size, pad_id, feature_d
             if topk and not full:
                 out["topk_ids"][lo:hi] = teacher.topk_ids[b, :n].to("cpu", torch.int32)
         bar.update(sum(lengths[r] for r in members))
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(out, str(tmp), metadata={"rows_hash": rows_hash, "num_examples": str(len(rows))})
-    os.replace(tmp, path)  # atomic: a shard is either whole or absent
+    metadata = {"rows_hash": rows_hash, "num_examples": str(len(rows))}
+    files.write_with(path, lambda tmp: save_file(out, str(tmp), metadata=metadata))  # whole or absent
 
 
 class FeatureCache(torch.utils.data.Dataset):

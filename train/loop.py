@@ -29,6 +29,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
+from draftsmith import files
 from draftsmith.decode.target import Target, load_target
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.train.checkpoint import (
@@ -39,7 +40,6 @@ from draftsmith.train.checkpoint import (
     export_draft,
     last_checkpoint,
     remove_partial_checkpoints,
-    write_text_atomic,
 )
 from draftsmith.train.config import TrainConfig, to_dict
 from draftsmith.train.distributed import (
@@ -365,7 +365,7 @@ def train(
             output_dir.mkdir(parents=True, exist_ok=True)
             save_file({"token_counts": token_counts}, str(counts_path))
     if rank == 0:
-        write_text_atomic(output_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
+        files.write_text(output_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
 
     objective = build_objective(config.draft.kind, target, config.draft.options, token_counts)
     cache_dirs = None

@@ -60,10 +60,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoTokenizer
 
+    from draftsmith import files
     from draftsmith.decode.target import resolve_model_path, tokenizer_fingerprint
     from draftsmith.drafts.eagle import EagleHead
     from draftsmith.drafts.loading import kind_of_checkpoint
-    from draftsmith.train.checkpoint import replace_dir_atomic
     from draftsmith.train.data import build_dataset
     from draftsmith.train.loop import count_tokens
 
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                 shutil.copy(head_dir / name, tmp / name)
         (tmp / RECORD).write_text(json.dumps(record, indent=2))
 
-    replace_dir_atomic(out, fill)
+    files.replace_dir(out, fill)
     print(
         f"[draftsmith] {out}: draft vocabulary {before_size:,} -> {args.size:,}; of {int(counts.sum()):,} "
         f"assistant tokens counted, {100 * covered_before:.2f}% -> {100 * covered:.2f}% are in it"

@@ -1,0 +1,79 @@
+"""``draftsmith.files``: atomic writes that land readable by everyone (an engine may run as another user)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+from safetensors.torch import save_file
+
+from draftsmith import files
+from draftsmith.train.checkpoint import export_draft
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.fixture
+def private_umask():
+    """A umask that makes every new file owner-only, as on locked-down machines."""
+    old = os.umask(0o077)
+    yield
+    os.umask(old)
+
+
+def test_files_and_directories_land_with_the_shared_modes(tmp_path, private_umask):
+    import torch
+
+    files.write_text(tmp_path / "a.txt", "x")
+    files.write_with(tmp_path / "w.safetensors", lambda p: save_file({"w": torch.zeros(2)}, str(p)))
+    files.copy_file(tmp_path / "a.txt", tmp_path / "b.txt")
+
+    def fill(d):
+        (d / "sub").mkdir()
+        (d / "sub" / "c.txt").write_text("c")
+        save_file({"w": torch.zeros(2)}, str(d / "model.safetensors"))
+
+    files.replace_dir(tmp_path / "dir", fill)
+    for name in ("a.txt", "w.safetensors", "b.txt", "dir/sub/c.txt", "dir/model.safetensors"):
+        assert mode(tmp_path / name) == files.FILE_MODE, name
+    for name in ("dir", "dir/sub"):
+        assert mode(tmp_path / name) == files.DIR_MODE, name
+
+
+def test_a_trained_runs_draft_directory_is_readable_by_everyone(tmp_path, private_umask):
+    class Objective:
+        def save(self, draft, directory):
+            save_file({"w": draft}, str(directory / "model.safetensors"))
+
+    import torch
+
+    out = export_draft(Objective(), torch.zeros(2), tmp_path / "draft", {"train_state.json": "{}"})
+    assert mode(out) == files.DIR_MODE
+    assert {mode(p) for p in out.iterdir()} == {files.FILE_MODE}
+
+
+def test_a_failed_write_leaves_the_old_file_and_nothing_else(tmp_path):
+    files.write_text(tmp_path / "a.txt", "old")
+
+    def dies(path):
+        path.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        files.write_with(tmp_path / "a.txt", dies)
+    assert (tmp_path / "a.txt").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+
+
+def test_stale_temporaries_of_killed_writes_are_found_and_removed(tmp_path):
+    (tmp_path / ".draft.tmp-abc").mkdir()
+    (tmp_path / ".draft.old-xyz").mkdir()
+    (tmp_path / ".draft.tmp-file").write_text("x")
+    (tmp_path / "draft").mkdir()
+    (tmp_path / ".other.tmp-1").mkdir()
+    removed = files.remove_stale(tmp_path, "draft")
+    assert sorted(p.name for p in removed) == [".draft.old-xyz", ".draft.tmp-abc", ".draft.tmp-file"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-1", "draft"]
