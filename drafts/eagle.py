@@ -110,6 +110,11 @@ class EagleConfig(PretrainedConfig):
         ids = resolve_layer_ids(target.model, list(capture_layer_ids))
         if preset == "eagle1" and len(ids) != 1:
             raise ValueError(f"EAGLE-1 reads exactly one target layer (the last, {n_layers - 1}); got {ids}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(
+                f"capture_layer_ids {ids} must be distinct: a layer read twice adds nothing, and serving engines "
+                "capture each layer once, so the head could not be exported"
+            )
         rope = getattr(tcfg, "rope_parameters", None) or {}
         model = target.model
         return cls(

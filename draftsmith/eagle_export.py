@@ -15,7 +15,6 @@ the auxiliary layer ids live and what they count.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from draftsmith import files
 from draftsmith.decode.features import LAYER_ID_CONVENTION
 from draftsmith.draft_checkpoint import EAGLE, DraftCheckpoint
 
@@ -48,17 +48,38 @@ NAME_MAP = {
 }
 
 
+LAYER_ID_SHIFT = {"vllm": 1, "speculators": 1, "gguf": 1, "sglang": 0}
+"""draftsmith id i ("output of layer i") is written as i + shift: vLLM (and speculators checkpoints, which
+vLLM reads), and llama.cpp's ``extract_layers``, count the *input* of layer L; SGLang adds 1 itself."""
+LAST_LAYER_CAPTURED = {"vllm", "speculators"}
+"""Engines that can hand the head the output of the target's last decoder layer: vLLM captures it at id
+N (after its layer loop). SGLang captures only layer inputs, and llama.cpp's Llama graph exports layer
+inputs only (id N asks for an embedding a Llama target never sets)."""
+ENGINE_NAMES = {
+    "vllm": "vLLM",
+    "speculators": "vLLM (speculators format)",
+    "sglang": "SGLang",
+    "gguf": "llama.cpp",
+}
+
+
 def engine_layer_ids(layer_ids: list[int], engine: str) -> list[int]:
     """draftsmith ids ("output of layer i, 0-based") → the ids ``engine`` expects in its config."""
-    if engine == "vllm":
-        return [i + 1 for i in layer_ids]
-    if engine == "sglang":
-        return list(layer_ids)
-    raise ValueError(f"no EAGLE-3 layer-id convention for engine {engine!r}")
+    if engine not in LAYER_ID_SHIFT:
+        raise ValueError(f"no EAGLE-3 layer-id convention for engine {engine!r}")
+    return [i + LAYER_ID_SHIFT[engine] for i in layer_ids]
+
+
+def drops_vocab_map(config: dict, engine: str) -> bool:
+    """True where the engine must get no ``d2t``: vLLM creates its draft→target map only when the draft
+    vocabulary is smaller than the target's, and its loader raises on a ``d2t`` it has no parameter
+    for; llama.cpp treats a missing ``d2t`` as "the target's vocabulary". SGLang reads an identity map."""
+    return engine != "sglang" and config["draft_vocab_size"] == config["vocab_size"]
 
 
 def check_exportable(config: dict, engine: str) -> None:
     """Refuse heads the engine's EAGLE-3 loader cannot represent, with the reason."""
+    name = ENGINE_NAMES.get(engine, engine)
     if config.get("preset") != "eagle3":
         raise ValueError(
             f"only EAGLE-3 heads export to {engine}; this head is preset {config.get('preset')!r} (draftsmith's "
@@ -67,14 +88,19 @@ def check_exportable(config: dict, engine: str) -> None:
         )
     if config.get("num_decoder_layers", 1) != 1:
         raise ValueError(
-            f"the head has {config['num_decoder_layers']} decoder layers; the {engine} EAGLE-3 layout exported "
+            f"the head has {config['num_decoder_layers']} decoder layers; the {name} EAGLE-3 layout exported "
             "here has exactly one (midlayer). Train with draft.options.num_decoder_layers: 1."
         )
     ids = list(config.get("capture_layer_ids") or [])
     if len(ids) != 3:
         raise ValueError(
-            f"{engine}'s EAGLE-3 loader fuses exactly 3 target layers (fc reads 3 x target_hidden_size); this "
+            f"{name}'s EAGLE-3 loader fuses exactly 3 target layers (fc reads 3 x target_hidden_size); this "
             f"head reads {len(ids)}: {ids}"
+        )
+    if len(set(ids)) != len(ids):
+        raise ValueError(
+            f"the head reads target layers {ids}, one of them twice; {name} captures each layer once, so its "
+            "fc would get fewer states than it was trained on. Train the head on three distinct layers."
         )
     if config.get("layer_id_convention") != LAYER_ID_CONVENTION:
         raise ValueError(
@@ -86,14 +112,28 @@ def check_exportable(config: dict, engine: str) -> None:
         raise ValueError(
             "the head records no target layer count (config.target); re-save it with `draftsmith train`"
         )
-    if max(ids) > n_layers - 2:
+    if min(ids) < 0 or max(ids) > n_layers - 1:
+        raise ValueError(f"layer ids {ids} lie outside the target's {n_layers} layers (0..{n_layers - 1})")
+    if max(ids) == n_layers - 1 and engine not in LAST_LAYER_CAPTURED:
         raise ValueError(
-            f"layer id {max(ids)} is the output of the target's last layer ({n_layers} layers): vLLM and SGLang "
-            "capture the input of a decoder layer, so they can only provide outputs of layers 0.."
-            f"{n_layers - 2}. Train the head with capture_layer_ids below {n_layers - 1}."
+            f"layer id {max(ids)} is the output of the target's last layer ({n_layers} layers): {name} captures "
+            f"only the inputs of decoder layers, so it can hand the head outputs of layers 0..{n_layers - 2}. "
+            f"Export to vllm (which captures the last layer too), or train the head with capture_layer_ids below "
+            f"{n_layers - 1}."
         )
     if config.get("lm_head_is_embedding") or config.get("logit_softcap"):
         raise ValueError("EAGLE-3 heads exported to engines need their own LM head and no logit softcap")
+
+
+def ascending_capture(layer_ids: list[int], fc: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """The layer ids in ascending order and ``fc`` [H, n·H_t] with its column blocks permuted to match.
+
+    The head concatenates the captured states in ``capture_layer_ids`` order; every engine concatenates
+    them in ascending layer order. Permuting fc's input blocks the same way gives the same product.
+    """
+    order = sorted(range(len(layer_ids)), key=layer_ids.__getitem__)
+    blocks = fc.split(fc.shape[1] // len(layer_ids), dim=1)
+    return [layer_ids[j] for j in order], torch.cat([blocks[j] for j in order], dim=1).contiguous()
 
 
 def read_weights(draft_dir: Path) -> dict[str, torch.Tensor]:
@@ -110,8 +150,9 @@ def read_weights(draft_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def reference_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """draftsmith EagleHead tensors → reference EAGLE-3 tensors (names mapped, d2t as offsets)."""
+def reference_weights(weights: dict[str, torch.Tensor], config: dict, engine: str) -> dict[str, torch.Tensor]:
+    """draftsmith EagleHead tensors → reference EAGLE-3 tensors for ``engine``: names mapped, fc's
+    columns in ascending layer order, ``d2t`` as offsets (or left out where the engine wants none)."""
     unknown = sorted(set(weights) - set(NAME_MAP))
     missing = sorted(set(NAME_MAP) - set(weights))
     if unknown or missing:
@@ -119,20 +160,25 @@ def reference_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             f"the EAGLE head's weights do not match the one-layer EAGLE-3 layout: unknown {unknown}, missing {missing}"
         )
     out = {NAME_MAP[name]: tensor.contiguous() for name, tensor in weights.items()}
+    _, out["fc.weight"] = ascending_capture(config["capture_layer_ids"], out["fc.weight"])
     d2t = weights["d2t"].long()
+    if drops_vocab_map(config, engine):
+        if not torch.equal(d2t, torch.arange(d2t.numel())):
+            raise ValueError(
+                "a full draft vocabulary must map draft id i to target id i; the head's d2t does not"
+            )
+        del out["d2t"], out["t2d"]
+        return out
     out["d2t"] = (d2t - torch.arange(d2t.numel())).contiguous()  # absolute ids -> offsets
     out["t2d"] = weights["t2d"].bool().contiguous()
     return out
 
 
-def reference_config(config: dict, engine: str, dtype: torch.dtype) -> dict:
-    """The config.json the engine's EAGLE-3 loader reads, with draftsmith's own record alongside."""
-    target = config["target"]
-    out = {
-        "architectures": [ARCHITECTURE],
+def decoder_fields(config: dict) -> dict:
+    """The head's one Llama decoder layer as the engines' config readers want it (no default left to guess)."""
+    return {
         "model_type": "llama",
         "hidden_size": config["hidden_size"],
-        "target_hidden_size": target["hidden_size"],
         "intermediate_size": config["intermediate_size"],
         "num_attention_heads": config["num_attention_heads"],
         "num_key_value_heads": config["num_key_value_heads"],
@@ -144,45 +190,70 @@ def reference_config(config: dict, engine: str, dtype: torch.dtype) -> dict:
         "rope_scaling": None,
         "max_position_embeddings": config["max_position_embeddings"],
         "vocab_size": config["vocab_size"],
-        "draft_vocab_size": config["draft_vocab_size"],
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,
+    }
+
+
+def reference_config(config: dict, engine: str, dtype: torch.dtype) -> dict:
+    """The config.json the engine's EAGLE-3 loader reads, with draftsmith's own record alongside."""
+    out = {
+        "architectures": [ARCHITECTURE],
+        **decoder_fields(config),
+        "target_hidden_size": config["target"]["hidden_size"],
+        "draft_vocab_size": config["draft_vocab_size"],
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    ids = engine_layer_ids(config["capture_layer_ids"], engine)
+    ids = engine_layer_ids(sorted(config["capture_layer_ids"]), engine)
     if engine == "vllm":
         out["eagle_aux_hidden_state_layer_ids"] = ids
         out["norm_before_residual"] = False  # the residual is the fused feature before hidden_norm
     else:
         out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
-    out[SOURCE_KEY] = {
-        "engine": engine,
-        "capture_layer_ids": list(config["capture_layer_ids"]),
-        "layer_id_convention": config["layer_id_convention"],
-        "d2t": "offsets (target id = draft id + d2t[draft id])",
-        "target": target,
-    }
+    out[SOURCE_KEY] = source_record(config, engine)
     return out
 
 
-def export_eagle(ckpt: DraftCheckpoint, out: Path, engine: str) -> list[Path]:
-    """Write ``ckpt`` (an EAGLE head) into ``out`` for ``engine`` (hf, vllm or sglang); return the files."""
+def source_record(config: dict, engine: str) -> dict:
+    """What the export was made from (loaders ignore it; the verifier reads it)."""
+    trained = list(config["capture_layer_ids"])
+    record = {
+        "engine": engine,
+        "capture_layer_ids": sorted(trained),
+        "layer_id_convention": config["layer_id_convention"],
+        "d2t": "none (full vocabulary)"
+        if drops_vocab_map(config, engine)
+        else "offsets (target id = draft id + d2t[draft id])",
+        "target": config["target"],
+    }
+    if trained != sorted(trained):
+        record["trained_capture_layer_ids"] = trained
+        record["fc"] = "column blocks permuted into ascending layer order"
+    return record
+
+
+def export_eagle(ckpt: DraftCheckpoint, out: Path, engine: str) -> Path:
+    """Write ``ckpt`` (an EAGLE head) as the folder ``out`` for ``engine`` (hf, vllm, sglang, speculators)."""
     if ckpt.kind != EAGLE:
         raise ValueError(f"{ckpt.draft_dir} is not an EAGLE head")
-    out.mkdir(parents=True, exist_ok=True)
     if engine == "hf":  # draftsmith's own transformers layout: EagleHead.from_pretrained reads it
-        files = [ckpt.draft_dir / "config.json", *sorted(ckpt.draft_dir.glob("*.safetensors"))]
-        files += sorted(ckpt.draft_dir.glob("*.safetensors.index.json"))
-        for file in files:
-            shutil.copy2(file, out / file.name)
-        return [out / f.name for f in files]
+        sources = [ckpt.draft_dir / "config.json", *sorted(ckpt.draft_dir.glob("*.safetensors"))]
+        sources += sorted(ckpt.draft_dir.glob("*.safetensors.index.json"))
+        return files.replace_dir(out, lambda tmp: [shutil.copyfile(f, tmp / f.name) for f in sources])
     check_exportable(ckpt.config, engine)
-    weights = reference_weights(read_weights(ckpt.draft_dir))
+    weights = reference_weights(read_weights(ckpt.draft_dir), ckpt.config, engine)
     dtype = weights["fc.weight"].dtype
-    config = reference_config(ckpt.config, engine, dtype)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for file in ("config.json", "model.safetensors"):
-        os.chmod(out / file, 0o644)  # safetensors writes owner-only; an export is meant to be shared
-    return [out / "config.json", out / "model.safetensors"]
+    if engine == "speculators":
+        from draftsmith.speculators_export import speculators_config, speculators_weights
+
+        config = speculators_config(ckpt.config, dtype, source_record(ckpt.config, engine))
+        weights = speculators_weights(weights)
+    else:
+        config = reference_config(ckpt.config, engine, dtype)
+
+    def fill(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return files.replace_dir(out, fill)

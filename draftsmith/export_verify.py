@@ -9,7 +9,7 @@ derived from the exporter, so a mistake in the exporter shows up as a failed che
   convention, and ``d2t`` as offsets that agree with ``t2d``.
 - EAGLE heads for transformers (``hf``) and distilled drafts: a strict ``from_pretrained`` (no missing,
   unexpected or mis-shaped weights) plus the draft's vocabulary against its target's.
-- GGUF: see ``draftsmith.gguf_export.verify_gguf``.
+- GGUF: see ``draftsmith.gguf_verify.verify_gguf``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-ENGINES = ("hf", "vllm", "sglang", "gguf")
+ENGINES = ("hf", "vllm", "sglang", "speculators", "gguf")
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
-EAGLE3_REQUIRED_INTS = (
+DECODER_INTS = (
     "hidden_size",
-    "target_hidden_size",
     "intermediate_size",
     "num_attention_heads",
     "num_key_value_heads",
@@ -33,8 +32,9 @@ EAGLE3_REQUIRED_INTS = (
     "num_hidden_layers",
     "max_position_embeddings",
     "vocab_size",
-    "draft_vocab_size",
 )
+"""Integer fields of the head's decoder layer the loaders build it from."""
+HEAD_INTS = ("target_hidden_size", "draft_vocab_size")
 
 # Causal-LM architectures both engines register as draft models (vLLM models/registry.py
 # _TEXT_GENERATION_MODELS, SGLang models/*.py EntryClass), for the tiny families draftsmith tests.
@@ -56,28 +56,38 @@ class ExportVerificationError(ValueError):
     """The folder is not what the engine's loader reads; the message lists every problem."""
 
 
-def _eagle3_expected_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    """Weight name -> shape, as vLLM's / SGLang's llama_eagle3.py load_weights maps them."""
+def _eagle3_expected_shapes(c: dict, engine: str, layer: str = "midlayer.") -> dict[str, tuple[int, ...]]:
+    """Weight name -> shape, as vLLM's / SGLang's llama_eagle3.py load_weights maps them.
+
+    vLLM has a ``draft_id_to_target_id`` parameter for ``d2t`` only when ``draft_vocab_size`` differs
+    from the target's vocabulary, and raises on a ``d2t`` it has no parameter for; SGLang always reads one.
+    """
     H, Ht, ffn = c["hidden_size"], c["target_hidden_size"], c["intermediate_size"]
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    return {
+    shapes = {
         "embed_tokens.weight": (c["vocab_size"], H),
         "fc.weight": (H, 3 * Ht),
-        "midlayer.input_layernorm.weight": (H,),
-        "midlayer.hidden_norm.weight": (H,),
-        "midlayer.post_attention_layernorm.weight": (H,),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
-        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.o_proj.weight": (H, q),
-        "midlayer.mlp.gate_proj.weight": (ffn, H),
-        "midlayer.mlp.up_proj.weight": (ffn, H),
-        "midlayer.mlp.down_proj.weight": (H, ffn),
         "norm.weight": (H,),
         "lm_head.weight": (c["draft_vocab_size"], H),
-        "d2t": (c["draft_vocab_size"],),
-        "t2d": (c["vocab_size"],),
     }
+    shapes |= {
+        layer + name: shape
+        for name, shape in {
+            "input_layernorm.weight": (H,),
+            "hidden_norm.weight": (H,),
+            "post_attention_layernorm.weight": (H,),
+            "self_attn.q_proj.weight": (q, 2 * H),
+            "self_attn.k_proj.weight": (kv, 2 * H),
+            "self_attn.v_proj.weight": (kv, 2 * H),
+            "self_attn.o_proj.weight": (H, q),
+            "mlp.gate_proj.weight": (ffn, H),
+            "mlp.up_proj.weight": (ffn, H),
+            "mlp.down_proj.weight": (H, ffn),
+        }.items()
+    }
+    if engine == "sglang" or c["draft_vocab_size"] != c["vocab_size"]:
+        shapes |= {"d2t": (c["draft_vocab_size"],), "t2d": (c["vocab_size"],)}
+    return shapes
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -90,10 +100,10 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _check_layer_ids(config: dict, engine: str, problems: list[str]) -> None:
-    """The aux layer ids sit where ``engine`` reads them, in its convention, and within the target."""
+    """The aux layer ids sit where ``engine`` reads them, in its convention, ascending, within the target."""
     top = config.get("eagle_aux_hidden_state_layer_ids")
     nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if engine == "vllm":
+    if engine in ("vllm", "speculators"):
         ids, where, shift = top, "eagle_aux_hidden_state_layer_ids", 1
         if nested is not None:
             problems.append(
@@ -112,10 +122,18 @@ def _check_layer_ids(config: dict, engine: str, problems: list[str]) -> None:
             f"{where} must list 3 integer layer ids (missing: the engine guesses (2, N/2, N-3)); got {ids!r}"
         )
         return
+    if ids != sorted(set(ids)):
+        problems.append(
+            f"{where} {ids} must be distinct and ascending: the engine captures each layer once and concatenates "
+            "the states in ascending layer order, so fc's columns must follow that order"
+        )
     source = config.get("draftsmith_source") or {}
     n_layers = (source.get("target") or {}).get("num_hidden_layers")
     if n_layers is not None:
-        lo, hi = shift, n_layers - 2 + shift
+        last = (
+            n_layers - 1 if engine in ("vllm", "speculators") else n_layers - 2
+        )  # vLLM also captures after its loop
+        lo, hi = shift, last + shift
         bad = [i for i in ids if not lo <= i <= hi]
         if bad:
             problems.append(
@@ -161,29 +179,12 @@ def verify_eagle3_engine(folder: Path, engine: str) -> list[str]:
         problems.append(
             f"architectures must be [{EAGLE3_ARCHITECTURE!r}], got {config.get('architectures')!r}"
         )
-    if config.get("model_type") != "llama":
-        problems.append(
-            f"model_type must be 'llama' (the draft config class), got {config.get('model_type')!r}"
-        )
-    for key in EAGLE3_REQUIRED_INTS:
+    _check_decoder(config, "", problems)
+    for key in HEAD_INTS:
         if not isinstance(config.get(key), int):
             problems.append(
                 f"config field {key} missing or not an integer: the loader would fall back to a default"
             )
-    if config.get("num_hidden_layers") != 1:
-        problems.append("num_hidden_layers must be 1 (one midlayer)")
-    for key in ("rms_norm_eps", "rope_theta"):
-        if not isinstance(config.get(key), (int, float)):
-            problems.append(f"config field {key} missing: the loader would use the Llama default")
-    if config.get("hidden_act") != "silu":
-        problems.append(f"hidden_act must be 'silu', got {config.get('hidden_act')!r}")
-    if config.get("tie_word_embeddings") is not False:
-        problems.append(
-            "tie_word_embeddings must be false (SGLang would read the draft vocabulary off the embeddings)"
-        )
-    for key in ("attention_bias", "mlp_bias", "bias"):
-        if config.get(key):
-            problems.append(f"{key} is true, but the head has no biases")
     if engine == "vllm" and config.get("norm_before_residual") is not False:
         problems.append(
             "norm_before_residual must be false: the residual is the fused feature before hidden_norm"
@@ -194,13 +195,55 @@ def verify_eagle3_engine(folder: Path, engine: str) -> list[str]:
     tensors = _read_tensors(folder)
     if not tensors:
         return problems + ["no *.safetensors weights"]
-    expected = _eagle3_expected_shapes(config)
+    _check_eagle3_tensors(folder, config, engine, problems)
+    return problems
+
+
+def _check_decoder(c: dict, where: str, problems: list[str]) -> None:
+    """The head's decoder layer as the loaders build it: Llama, one layer, every size given, no biases."""
+    if c.get("model_type") != "llama":
+        problems.append(
+            f"{where}model_type must be 'llama' (the draft config class), got {c.get('model_type')!r}"
+        )
+    for key in DECODER_INTS:
+        if not isinstance(c.get(key), int):
+            problems.append(
+                f"config field {where}{key} missing or not an integer: the loader would fall back to a default"
+            )
+    if c.get("num_hidden_layers") != 1:
+        problems.append(f"{where}num_hidden_layers must be 1 (one midlayer)")
+    for key in ("rms_norm_eps", "rope_theta"):
+        if not isinstance(c.get(key), (int, float)):
+            problems.append(f"config field {where}{key} missing: the loader would use the Llama default")
+    if c.get("hidden_act") != "silu":
+        problems.append(f"{where}hidden_act must be 'silu', got {c.get('hidden_act')!r}")
+    if c.get("tie_word_embeddings") is not False:
+        problems.append(
+            f"{where}tie_word_embeddings must be false (SGLang would read the draft vocabulary off the embeddings)"
+        )
+    for key in ("attention_bias", "mlp_bias", "bias"):
+        if c.get(key):
+            problems.append(f"{where}{key} is true, but the head has no biases")
+
+
+def _check_eagle3_tensors(
+    folder: Path, config: dict, engine: str, problems: list[str], layer: str = "midlayer."
+) -> None:
+    """Exactly the tensors the loader maps, with their shapes, one float dtype and consistent vocab maps."""
+    tensors = _read_tensors(folder)
+    if not tensors:
+        problems.append("no *.safetensors weights")
+        return
+    expected = _eagle3_expected_shapes(config, engine, layer)
     for name in sorted(set(expected) - set(tensors)):
         problems.append(f"weight {name} missing")
     for name in sorted(set(tensors) - set(expected)):
-        problems.append(
-            f"weight {name} is not one the {engine} loader maps (vLLM fails on it, SGLang skips it)"
+        why = (
+            "vLLM creates no draft_id_to_target_id for a full draft vocabulary and its loader raises on d2t"
+            if name == "d2t"
+            else "vLLM fails on it, SGLang skips it"
         )
+        problems.append(f"weight {name} is not one the {engine} loader maps ({why})")
     for name in sorted(set(expected) & set(tensors)):
         if tuple(tensors[name].shape) != expected[name]:
             problems.append(
@@ -211,6 +254,44 @@ def verify_eagle3_engine(folder: Path, engine: str) -> list[str]:
         problems.append(f"weights mix dtypes {sorted(floats)}")
     if "d2t" in tensors and "t2d" in tensors and not any("d2t" in p or "t2d" in p for p in problems):
         _check_vocab_maps(tensors["d2t"], tensors["t2d"], config["vocab_size"], True, problems)
+
+
+def verify_speculators(folder: Path) -> list[str]:
+    """Problems an ``Eagle3Speculator`` export has for vLLM's speculators reader (configs/speculators)."""
+    config = json.loads((folder / "config.json").read_text())
+    problems: list[str] = []
+    if config.get("speculators_model_type") != "eagle3":
+        problems.append(
+            f"speculators_model_type must be 'eagle3', got {config.get('speculators_model_type')!r}"
+        )
+    spec = config.get("speculators_config") or {}
+    methods = spec.get("proposal_methods") or [{}]
+    if not isinstance(methods[0].get("speculative_tokens"), int):
+        problems.append(
+            "speculators_config.proposal_methods[0].speculative_tokens missing (vLLM requires it)"
+        )
+    if "name_or_path" not in (spec.get("verifier") or {}):
+        problems.append("speculators_config.verifier.name_or_path missing (vLLM requires it)")
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        return problems + ["transformer_layer_config missing: vLLM builds the draft decoder from it"]
+    _check_decoder(layer, "transformer_layer_config.", problems)
+    for key in HEAD_INTS:
+        if not isinstance(config.get(key), int):
+            problems.append(f"config field {key} missing or not an integer: vLLM would use a default")
+    if config.get("norm_before_residual") is not False:
+        problems.append(
+            "norm_before_residual must be written as false: vLLM assumes true when it is missing, and the "
+            "head's residual is the fused feature before hidden_norm"
+        )
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):
+        if config.get(key):
+            problems.append(f"{key} is true, but the head has no such norm")
+    _check_layer_ids(config, "speculators", problems)
+    if any(p.startswith("config field") for p in problems):
+        return problems
+    flat = {**{k: layer[k] for k in DECODER_INTS}, **{k: config[k] for k in HEAD_INTS}}
+    _check_eagle3_tensors(folder, flat, "speculators", problems, layer="layers.0.")
     return problems
 
 
@@ -271,10 +352,15 @@ def verify_export(folder: str | Path, engine: str) -> list[str]:
     """Check ``folder`` as an export for ``engine``; return what was checked, raise with every problem."""
     folder = Path(folder)
     if engine == "gguf":
-        from draftsmith.gguf_export import verify_gguf
+        from draftsmith.gguf_verify import verify_gguf
 
         problems = verify_gguf(folder)
         kind = "GGUF file"
+    elif engine == "speculators":
+        if not (folder / "config.json").is_file():
+            raise ExportVerificationError(f"{folder} has no config.json; it is not an export")
+        problems = verify_speculators(folder)
+        kind = "EAGLE-3 head (speculators format)"
     else:
         if not (folder / "config.json").is_file():
             raise ExportVerificationError(f"{folder} has no config.json; it is not an export")

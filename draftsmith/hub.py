@@ -22,6 +22,18 @@ SKIPPED_FILES = ["*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack", "*.on
 """Weights in formats draftsmith never reads: not downloaded."""
 
 
+KNOWN_TARGETS = {"smollm2-135m-instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")}
+"""Target aliases draftsmith knows → (Hub id, license)."""
+
+
+def hub_id_of_target(target: dict) -> str | None:
+    """The Hub id of a draft's target record: a known alias's id, the recorded name if it is a Hub id, else None."""
+    name = str(target.get("name") or "")
+    if name in KNOWN_TARGETS:
+        return KNOWN_TARGETS[name][0]
+    return name if is_hub_id(name) else None
+
+
 def is_hub_id(spec: str) -> bool:
     """True for ``org/name[@revision]`` that is not an existing local path."""
     return bool(HUB_ID.match(spec)) and not Path(spec).exists()

@@ -28,13 +28,14 @@ def target():
     return tiny_target("llama", layers=8)
 
 
-def make_eagle_head(target, directory, capture=None):
+def make_eagle_head(target, directory, capture=None, draft_vocab=DRAFT_VOCAB):
     """A saved EAGLE-3 head with a real vocab map and distinct (non-unit) norms, so swapped names show."""
     torch.manual_seed(0)
-    config = EagleConfig.for_target(target, draft_vocab_size=DRAFT_VOCAB, capture_layer_ids=capture)
+    draft_vocab = draft_vocab or target.vocab_size
+    config = EagleConfig.for_target(target, draft_vocab_size=draft_vocab, capture_layer_ids=capture)
     head = EagleHead(config)
     counts = torch.rand(target.vocab_size)
-    head.set_vocab_map(*build_vocab_map(counts, DRAFT_VOCAB))
+    head.set_vocab_map(*build_vocab_map(counts, draft_vocab))
     head.init_from_target(target.model)
     with torch.no_grad():
         for name, param in head.named_parameters():
@@ -57,31 +58,40 @@ def rms(x, w, eps):
 
 def engine_logits(folder, engine, target, ids):
     """Next-token logits of an exported head at the last position of ``ids``, computed the way the engine's
-    loader reads the folder (names, layer-id convention, d2t offsets). A single draft position attends
+    loader reads the folder (docs/EXPORT.md): the layer-id field and convention, states concatenated in
+    ascending layer order (both engines capture each layer once, in their layer loop), the tensor names,
+    d2t offsets, and vLLM's refusal of a d2t it has no parameter for. A single draft position attends
     only to itself, so attention is o_proj(v) and RoPE at position 0 is the identity."""
     cfg = json.loads((folder / "config.json").read_text())
     w = load_file(str(folder / "model.safetensors"))
-    if engine == "vllm":
-        layer_ids, shift = (
-            cfg["eagle_aux_hidden_state_layer_ids"],
-            0,
-        )  # id L = input of layer L = hidden_states[L]
+    if engine == "speculators":
+        shape = cfg["transformer_layer_config"]
+        w = {k.replace("layers.0.", "midlayer.", 1): v for k, v in w.items()}
+        layer_ids, shift = cfg["eagle_aux_hidden_state_layer_ids"], -1
     else:
-        layer_ids, shift = (
-            cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-            1,
-        )  # SGLang captures at L + 1
-    with torch.no_grad():
-        states = target.model(ids[None, :-1], output_hidden_states=True).hidden_states
-    aux = torch.cat([states[i + shift][0, -1] for i in layer_ids])
-    eps = cfg["rms_norm_eps"]
+        shape = cfg
+        if engine == "vllm":  # id L = the input of layer L = the output of layer L - 1
+            layer_ids, shift = cfg["eagle_aux_hidden_state_layer_ids"], -1
+        else:  # SGLang captures at L + 1: the output of layer L
+            layer_ids, shift = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"], 0
+    vocab, draft_vocab = shape["vocab_size"], cfg["draft_vocab_size"]
+    if engine != "sglang" and "d2t" in w and draft_vocab == vocab:
+        raise ValueError(
+            "There is no module or parameter named 'draft_id_to_target_id' in Eagle3LlamaForCausalLM"
+        )
+    outputs = sorted({i + shift for i in layer_ids})  # draftsmith convention: output of layer i, pre-norm
+    with torch.no_grad(), capture_layers(target.model, outputs) as store:
+        target.model(ids[None, :-1])
+    aux = torch.cat([store[i][0, -1] for i in outputs])
+    eps = shape["rms_norm_eps"]
     h = F.linear(aux, w["fc.weight"])
     emb = w["embed_tokens.weight"][ids[-1]]
     x = torch.cat(
         [rms(emb, w["midlayer.input_layernorm.weight"], eps), rms(h, w["midlayer.hidden_norm.weight"], eps)]
     )
-    v = F.linear(x, w["midlayer.self_attn.v_proj.weight"]).view(cfg["num_key_value_heads"], cfg["head_dim"])
-    v = v.repeat_interleave(cfg["num_attention_heads"] // cfg["num_key_value_heads"], dim=0).flatten()
+    heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    v = F.linear(x, w["midlayer.self_attn.v_proj.weight"]).view(kv_heads, head_dim)
+    v = v.repeat_interleave(heads // kv_heads, dim=0).flatten()
     h = h + F.linear(v, w["midlayer.self_attn.o_proj.weight"])  # residual = fc output (norm after residual)
     m = rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
     mlp = F.linear(
@@ -90,8 +100,10 @@ def engine_logits(folder, engine, target, ids):
         w["midlayer.mlp.down_proj.weight"],
     )
     draft = F.linear(rms(h + mlp, w["norm.weight"], eps), w["lm_head.weight"])
-    full = torch.full((cfg["vocab_size"],), float("-inf"))
-    full[torch.arange(cfg["draft_vocab_size"]) + w["d2t"]] = draft
+    if "d2t" not in w:
+        return draft
+    full = torch.full((vocab,), float("-inf"))
+    full[torch.arange(draft_vocab) + w["d2t"]] = draft
     return full
 
 
@@ -107,27 +119,87 @@ def draftsmith_logits(head, target, ids):
     return full
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_eagle3_export_computes_what_draftsmith_computes(target, eagle_dir, tmp_path, engine):
-    head = EagleHead.from_pretrained(eagle_dir).eval()
-    out = export_checkpoint(locate_checkpoint(str(eagle_dir)), engine, tmp_path / engine)
+HEADS = {
+    "default": dict(capture=None, draft_vocab=DRAFT_VOCAB),
+    "unordered": dict(
+        capture=[5, 1, 3], draft_vocab=DRAFT_VOCAB
+    ),  # fc reads 5, 1, 3; engines capture 1, 3, 5
+    "full_vocab": dict(capture=None, draft_vocab=None),  # draft vocabulary = the target's: no d2t for vLLM
+}
+
+
+@pytest.fixture(scope="module")
+def eagle_heads(target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("heads")
+    return {
+        name: make_eagle_head(target, root / name / "draft", **h) and root / name / "draft"
+        for name, h in HEADS.items()
+    }
+
+
+@pytest.mark.parametrize("head_name", sorted(HEADS))
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "speculators"])
+def test_eagle3_export_computes_what_draftsmith_computes(target, eagle_heads, tmp_path, engine, head_name):
+    folder = eagle_heads[head_name]
+    head = EagleHead.from_pretrained(folder).eval()
+    out = export_checkpoint(locate_checkpoint(str(folder)), engine, tmp_path / engine)
     assert verify_export(out, engine)
     cfg = json.loads((out / "config.json").read_text())
-    expected_ids = (
-        [i + 1 for i in head.config.capture_layer_ids] if engine == "vllm" else head.config.capture_layer_ids
+    shift = 0 if engine == "sglang" else 1
+    written = cfg.get(
+        "eagle_aux_hidden_state_layer_ids",
+        cfg.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"),
     )
-    assert (
-        cfg.get(
-            "eagle_aux_hidden_state_layer_ids",
-            cfg.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"),
-        )
-        == expected_ids
-    )
+    assert written == sorted(i + shift for i in head.config.capture_layer_ids)
     ids = torch.tensor([5, 17, 99, 3, 42, 7])
     ours, theirs = draftsmith_logits(head, target, ids), engine_logits(out, engine, target, ids)
     assert torch.equal(ours.isinf(), theirs.isinf())
     finite = ~ours.isinf()
     torch.testing.assert_close(theirs[finite], ours[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_an_unordered_head_read_without_the_fc_permutation_gives_other_logits(
+    target, eagle_heads, tmp_path, monkeypatch
+):
+    """The check above can fail: fc's columns left in the head's order are read against ascending states."""
+    from draftsmith import eagle_export
+
+    monkeypatch.setattr(eagle_export, "ascending_capture", lambda ids, fc: (sorted(ids), fc))
+    folder = eagle_heads["unordered"]
+    out = export_checkpoint(locate_checkpoint(str(folder)), "vllm", tmp_path / "vllm")
+    ids = torch.tensor([5, 17, 99, 3, 42, 7])
+    ours = draftsmith_logits(EagleHead.from_pretrained(folder).eval(), target, ids)
+    theirs = engine_logits(out, "vllm", target, ids)
+    assert not torch.allclose(theirs[~ours.isinf()], ours[~ours.isinf()], atol=1e-3)
+
+
+def test_a_full_vocabulary_head_with_d2t_is_what_vllm_refuses(eagle_heads, tmp_path, target):
+    """The engine model can fail: d2t written for a full draft vocabulary is vLLM's load-time ValueError."""
+    out = export_checkpoint(locate_checkpoint(str(eagle_heads["full_vocab"])), "sglang", tmp_path / "s")
+    assert "d2t" in load_file(str(out / "model.safetensors"))  # SGLang reads an identity hot_token_id
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = [
+        i + 1 for i in cfg.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"]
+    ]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="draft_id_to_target_id"):
+        engine_logits(out, "vllm", target, torch.tensor([5, 17, 99]))
+    with pytest.raises(ExportVerificationError, match="d2t"):
+        verify_export(out, "vllm")
+
+
+def test_speculators_export_writes_what_vllm_reads(eagle_heads, tmp_path):
+    out = export_checkpoint(locate_checkpoint(str(eagle_heads["default"])), "speculators", tmp_path / "s")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Eagle3Speculator"] and cfg["speculators_model_type"] == "eagle3"
+    assert cfg["norm_before_residual"] is False  # vLLM assumes true when it is missing
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+    assert cfg["speculators_config"]["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    assert all(not name.startswith("midlayer.") for name in load_file(str(out / "model.safetensors")))
+    del cfg["norm_before_residual"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportVerificationError, match="norm_before_residual"):
+        verify_export(out, "speculators")
 
 
 def test_reading_layer_ids_in_the_other_convention_gives_other_logits(target, eagle_dir, tmp_path):
@@ -160,12 +232,18 @@ def break_export(folder, how):
             cfg["eagle_config"][key] = [i + 1 for i in cfg["eagle_config"][key]]
     elif how == "missing_field":
         del cfg["target_hidden_size"]
+    elif how == "unsorted_ids":
+        key = "eagle_aux_hidden_state_layer_ids"
+        holder = cfg if key in cfg else cfg["eagle_config"]
+        holder[key] = holder[key][::-1]
     save_file(weights, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-@pytest.mark.parametrize("how", ["missing", "renamed", "absolute_d2t", "shifted_ids", "missing_field"])
+@pytest.mark.parametrize(
+    "how", ["missing", "renamed", "absolute_d2t", "shifted_ids", "missing_field", "unsorted_ids"]
+)
 def test_verifier_refuses_broken_eagle3_exports(eagle_dir, tmp_path, engine, how):
     out = export_checkpoint(locate_checkpoint(str(eagle_dir)), engine, tmp_path / engine)
     break_export(out, how)
@@ -183,13 +261,28 @@ def test_hf_export_of_an_eagle_head_loads_strictly_and_refuses_a_renamed_weight(
         verify_export(out, "hf")
 
 
-def test_export_refuses_heads_an_engine_cannot_read(target, tmp_path):
+def test_the_last_layer_exports_to_vllm_and_is_refused_where_it_cannot_be_captured(target, tmp_path):
     last = make_eagle_head(target, tmp_path / "last", capture=[1, 3, 7])  # 7 = output of the last layer
     assert last.config.capture_layer_ids == [1, 3, 7]
-    with pytest.raises(ValueError, match="last layer"):
-        export_checkpoint(locate_checkpoint(str(tmp_path / "last")), "vllm", tmp_path / "out")
-    with pytest.raises(ValueError, match="GGUF"):
-        export_checkpoint(locate_checkpoint(str(tmp_path / "last")), "gguf", tmp_path / "out2")
+    ckpt = locate_checkpoint(str(tmp_path / "last"))
+    out = export_checkpoint(ckpt, "vllm", tmp_path / "vllm")  # vLLM captures id N = the last layer's output
+    ids = torch.tensor([5, 17, 99, 3, 42, 7])
+    ours, theirs = draftsmith_logits(last, target, ids), engine_logits(out, "vllm", target, ids)
+    torch.testing.assert_close(theirs[~ours.isinf()], ours[~ours.isinf()], rtol=1e-4, atol=1e-4)
+    for engine, name in (("sglang", "SGLang"), ("gguf", "llama.cpp")):
+        with pytest.raises(ValueError, match=f"last layer.*{name} captures only the inputs"):
+            export_checkpoint(ckpt, engine, tmp_path / engine)
+
+
+def test_a_head_reading_one_layer_twice_is_refused(target, tmp_path):
+    with pytest.raises(ValueError, match="distinct"):
+        EagleConfig.for_target(target, capture_layer_ids=[1, 1, 3])
+    make_eagle_head(target, tmp_path / "dup", capture=[1, 3, 5])
+    cfg = json.loads((tmp_path / "dup" / "config.json").read_text())
+    cfg["capture_layer_ids"] = [1, 3, 3]  # a head saved by an older version
+    (tmp_path / "dup" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="twice"):
+        export_checkpoint(locate_checkpoint(str(tmp_path / "dup")), "vllm", tmp_path / "out")
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +329,21 @@ def test_cli_exports_verifies_and_refuses_a_non_empty_out(eagle_dir, tmp_path, c
     assert main(["export", str(eagle_dir), "--to", "sglang", "--out", str(out)]) == 2
     assert "not empty" in capsys.readouterr().err
     shutil.rmtree(out)
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm", "sglang", "speculators"])
+def test_exports_are_readable_by_an_engine_running_as_another_user(eagle_dir, tmp_path, engine):
+    import os
+    import stat
+
+    source = tmp_path / "private" / "draft"
+    shutil.copytree(eagle_dir, source)
+    for file in source.iterdir():
+        os.chmod(file, 0o600)  # as safetensors and mkstemp leave them
+    old = os.umask(0o077)
+    try:
+        out = export_checkpoint(locate_checkpoint(str(source)), engine, tmp_path / engine)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {0o644}

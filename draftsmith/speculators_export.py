@@ -1,0 +1,75 @@
+"""EAGLE-3 heads in the speculators format (``Eagle3Speculator``), the layout vLLM's docs point to.
+
+vLLM reads it through ``vllm/transformers_utils/configs/speculators`` (docs/EXPORT.md gives the
+version and what it reads): the decoder shape comes from ``transformer_layer_config``, and
+``draft_vocab_size``, ``target_hidden_size``, ``norm_before_residual`` and the top-level
+``eagle_aux_hidden_state_layer_ids`` (vLLM's convention: id L = the input of target layer L) from the
+top level. ``norm_before_residual`` is always written: vLLM assumes ``true`` when it is missing,
+speculators' own default is ``false``, and draftsmith's head is ``false`` (its residual is the fused
+feature before ``hidden_norm``). Tensors are named ``layers.0.*`` (not the reference ``midlayer.*``);
+``d2t`` (offsets) and ``t2d`` only when the draft vocabulary is smaller than the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.eagle_export import SOURCE_KEY, decoder_fields, engine_layer_ids
+
+ARCHITECTURE = "Eagle3Speculator"
+SCHEMA_VERSION = "0.9.0"
+"""The speculators release whose ``Eagle3SpeculatorConfig`` this layout follows."""
+SPECULATIVE_TOKENS = 5
+
+
+def verifier_record(target: dict) -> dict:
+    """``speculators_config.verifier``: the target's Hub id (vLLM's auto-detection loads it) and class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from draftsmith.hub import hub_id_of_target
+
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(target.get("model_type"))
+    return {"name_or_path": hub_id_of_target(target), "architectures": [arch] if arch else []}
+
+
+def speculators_config(config: dict, dtype: torch.dtype, source: dict) -> dict:
+    """config.json of an ``Eagle3Speculator`` checkpoint for the EAGLE-3 head ``config`` (its config.json)."""
+    target = config["target"]
+    return {
+        "architectures": [ARCHITECTURE],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SCHEMA_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": SPECULATIVE_TOKENS,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": verifier_record(target),
+        },
+        "transformer_layer_config": decoder_fields(config),
+        "draft_vocab_size": config["draft_vocab_size"],
+        "target_hidden_size": target["hidden_size"],
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "eagle_aux_hidden_state_layer_ids": engine_layer_ids(
+            sorted(config["capture_layer_ids"]), "speculators"
+        ),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        SOURCE_KEY: source,
+    }
+
+
+def speculators_weights(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Reference EAGLE-3 tensors (``midlayer.*``) under speculators' names (``layers.0.*``)."""
+    return {
+        ("layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name): tensor
+        for name, tensor in reference.items()
+    }
