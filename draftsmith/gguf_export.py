@@ -1,17 +1,31 @@
-"""Distilled Llama-architecture drafts as one GGUF file, for llama.cpp / LM Studio draft models.
+"""Drafts as one GGUF file for llama.cpp / LM Studio: distilled Llama drafts and EAGLE-3 heads.
 
-Written with ``gguf.GGUFWriter`` under llama.cpp's names (``token_embd``, ``blk.N.attn_q`` ...,
-``output_norm``, ``output``) and metadata keys (``llama.*``, ``tokenizer.ggml.*``), which is also
-what transformers' GGUF loader reads back. q_proj and k_proj rows are permuted the way llama.cpp's
-converter does (its rotary pairs adjacent dimensions; transformers undoes the permutation on load).
-The tokenizer goes in as metadata: copied from a GGUF of the target when there is one (the bundled
-SmolLM2 target has one), else written from the draft's byte-level BPE tokenizer.
+Written with ``gguf.GGUFWriter`` under llama.cpp's names and metadata keys:
+
+- a distilled draft in the ``llama`` architecture (``token_embd``, ``blk.N.attn_q`` ..., ``output_norm``,
+  ``output``; ``llama.*``, ``tokenizer.ggml.*``), which transformers' GGUF loader reads back too;
+- an EAGLE-3 head in llama.cpp's ``eagle3`` architecture (``src/models/eagle3.cpp``): ``fc``, one block
+  whose ``attn_norm`` normalizes the token embedding and ``attn_norm_2`` the fused feature, ``output_norm``,
+  ``output`` over the draft vocabulary, ``d2t`` as absolute target ids (absent for a full vocabulary), and
+  ``eagle3.target_layers`` in llama.cpp's convention (id L = the input of target layer L). The head's token
+  embedding is left out: llama.cpp then embeds with the target's, which the head's is a frozen copy of.
+
+q_proj and k_proj rows are permuted the way llama.cpp's converter does (its rotary pairs adjacent
+dimensions; transformers undoes the permutation on load). The tokenizer goes in as metadata: copied from
+a GGUF of the target when there is one (the bundled SmolLM2 target has one; it is what llama.cpp checks a
+draft against), else written from the draft's byte-level BPE tokenizer.
+
+Why our own writer and not llama.cpp's ``convert_hf_to_gguf.py``: the converter recognises a tokenizer
+only by a hash of how it splits a fixed text, from a table of known models, and refuses every other one
+(the tests' tiny tokenizers, new tokenizers); and it needs the target's Hugging Face directory where the
+bundled target is itself a GGUF. The real engine checks what we write (tests/test_llamacpp.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -19,7 +33,14 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from draftsmith.eagle_export import read_weights
+from draftsmith import files
+from draftsmith.eagle_export import (
+    NAME_MAP,
+    ascending_capture,
+    check_exportable,
+    engine_layer_ids,
+    read_weights,
+)
 
 QTYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -106,12 +127,67 @@ def _source_tokenizer_fields(source: Path, tokens: list[str]) -> list[tuple]:
             f"{source} has another vocabulary than the draft's tokenizer ({len(theirs)} vs {len(tokens)} tokens, or "
             "spelled differently); pass the GGUF of the draft's own target with --tokenizer-gguf"
         )
+    return _fields_with_prefix(reader, "tokenizer.")
+
+
+def _fields_with_prefix(reader: gguf.GGUFReader, prefix: str) -> list[tuple]:
+    """(key, value, type, array element type) of every metadata field whose key starts with ``prefix``."""
     fields = []
     for key, f in reader.fields.items():
-        if key.startswith("tokenizer."):
+        if key.startswith(prefix):
             sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
             fields.append((key, f.contents(), f.types[0], sub))
     return fields
+
+
+GPT2_BYTE_LEVEL = {"type": "ByteLevel", "use_regex": True}
+PRE_TOKENIZERS = {
+    "gpt-2": [GPT2_BYTE_LEVEL],
+    "smollm": [{"type": "Digits", "individual_digits": True}, GPT2_BYTE_LEVEL],
+}
+"""llama.cpp pre-tokenizer names (``tokenizer.ggml.pre``, src/llama-vocab.cpp) for the Hugging Face
+pre-tokenizers they reproduce: GPT-2's split regex, and SmolLM's single digits before it."""
+
+
+def pre_tokenizer_name(pre: dict | None) -> str:
+    """The llama.cpp pre-tokenizer that splits text as the Hugging Face ``pre`` does; refuse the rest.
+
+    llama.cpp's ``default`` is not GPT-2's regex (it splits punctuation and digits apart), so naming the
+    wrong one silently changes how every prompt is tokenized.
+    """
+    steps = (pre or {}).get("pretokenizers") if (pre or {}).get("type") == "Sequence" else [pre or {}]
+    for name, expected in PRE_TOKENIZERS.items():
+        if len(steps) == len(expected) and all(
+            all(step.get(k, True if k == "use_regex" else None) == v for k, v in want.items())
+            for step, want in zip(steps, expected)
+        ):
+            return name
+    raise ValueError(
+        f"the draft's tokenizer splits text with {json.dumps(pre)}, which this writer cannot name for llama.cpp "
+        f"(it writes {', '.join(PRE_TOKENIZERS)}); pass --target-gguf with a GGUF of the target (llama.cpp's "
+        "convert_hf_to_gguf.py knows many more tokenizers) to copy its tokenizer instead"
+    )
+
+
+def token_types(tokenizer, vocab_size: int) -> tuple[list[str], list[int]]:
+    """Token strings and llama.cpp token types: CONTROL for special tokens (added ones included, e.g.
+    ``<|im_start|>``: llama.cpp drops them when detokenizing), USER_DEFINED for other added tokens."""
+    id_to_token = {i: t for t, i in tokenizer.get_vocab().items()}
+    added = tokenizer.added_tokens_decoder
+    special = set(tokenizer.all_special_ids) | {i for i, tok in added.items() if tok.special}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        token = id_to_token.get(i)
+        if token is None:  # the model scores more ids than the tokenizer has: padding rows
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in special:
+            tokens.append(token)
+            types.append(gguf.TokenType.CONTROL)
+        else:
+            tokens.append(token)
+            types.append(gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL)
+    return tokens, types
 
 
 def _tokenizer_from_hf(writer: gguf.GGUFWriter, tokenizer, vocab_size: int) -> None:
@@ -120,34 +196,19 @@ def _tokenizer_from_hf(writer: gguf.GGUFWriter, tokenizer, vocab_size: int) -> N
     model = backend.get("model") or {}
     if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(backend.get("pre_tokenizer")):
         raise ValueError(
-            "GGUF export writes byte-level BPE tokenizers (GPT-2 style) only; pass --tokenizer-gguf with a GGUF of "
+            "GGUF export writes byte-level BPE tokenizers (GPT-2 style) only; pass --target-gguf with a GGUF of "
             "the target to copy its tokenizer instead"
         )
-    id_to_token = {i: t for t, i in tokenizer.get_vocab().items()}
-    special = set(tokenizer.all_special_ids)
-    added = {i for i in tokenizer.added_tokens_decoder}
-    tokens, types = [], []
-    for i in range(vocab_size):
-        token = id_to_token.get(i)
-        if token is None:  # the model scores more ids than the tokenizer has: padding rows
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-            continue
-        tokens.append(token)
-        kind = gguf.TokenType.NORMAL
-        if i in special:
-            kind = gguf.TokenType.CONTROL
-        elif i in added:
-            kind = gguf.TokenType.USER_DEFINED
-        types.append(kind)
+    pre = pre_tokenizer_name(backend.get("pre_tokenizer"))
+    tokens, types = token_types(tokenizer, vocab_size)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     if not merges:
         raise ValueError(
             "the draft's BPE tokenizer has no merges, and llama.cpp refuses a gpt2 tokenizer without them; pass "
-            "--tokenizer-gguf with a GGUF of the target"
+            "--target-gguf with a GGUF of the target"
         )
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -180,131 +241,188 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, dtype:
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
 
 
+def _write_file(out_file: Path, arch: str, fill: Callable[[gguf.GGUFWriter], None]) -> Path:
+    """Atomically write one GGUF file whose metadata and tensors ``fill(writer)`` adds."""
+
+    def write(tmp: Path) -> None:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        fill(writer)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    return files.write_with(out_file, write)
+
+
+def _add_decoder_hparams(writer: gguf.GGUFWriter, c: dict, dtype: str) -> None:
+    """The hyper-parameters every llama.cpp decoder reads (keys prefixed by the writer's architecture)."""
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_key_length(c["head_dim"])
+    writer.add_value_length(c["head_dim"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_rope_freq_base(float(c["rope_theta"]))
+    writer.add_rope_dimension_count(c["head_dim"])
+    writer.add_vocab_size(c["vocab_size"])
+    writer.add_file_type(QTYPES[dtype][1])
+
+
+def _copy_fields(writer: gguf.GGUFWriter, fields: list[tuple]) -> None:
+    for key, value, kind, sub in fields:
+        writer.add_key_value(key, value, kind, sub_type=sub)
+
+
+def _check_dtype(dtype: str) -> None:
+    if dtype not in QTYPES:
+        raise ValueError(f"unknown GGUF dtype {dtype!r}; choose one of {', '.join(QTYPES)}")
+
+
 def write_gguf(
     draft_dir: str | Path, out_file: str | Path, dtype: str = "f16", tokenizer_gguf: Path | None = None
 ) -> Path:
     """Write the causal-LM draft in ``draft_dir`` as a GGUF file; ``dtype`` is f32, f16 or q8_0."""
-    if dtype not in QTYPES:
-        raise ValueError(f"unknown GGUF dtype {dtype!r}; choose one of {', '.join(QTYPES)}")
+    _check_dtype(dtype)
     draft_dir, out_file = Path(draft_dir), Path(out_file)
     config = AutoConfig.from_pretrained(draft_dir)
     check_supported(config)
     tokenizer = AutoTokenizer.from_pretrained(draft_dir)
     tensors = gguf_tensors(read_weights(draft_dir), config)
     vocab = tensors["token_embd.weight"].shape[0]
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
-    rope_theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_name(f".{out_file.name}.tmp")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
-    writer.add_name(
-        draft_dir.resolve().name if draft_dir.name != "draft" else draft_dir.resolve().parent.name
-    )
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(rope_theta)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_vocab_size(vocab)
-    writer.add_file_type(QTYPES[dtype][1])
+    hparams = {
+        **{k: getattr(config, k) for k in ("max_position_embeddings", "hidden_size", "num_hidden_layers")},
+        **{
+            k: getattr(config, k) for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads")
+        },
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
+        "vocab_size": vocab,
+    }
     tokens = [tokenizer.convert_ids_to_tokens(i) for i in range(len(tokenizer))]
-    if tokenizer_gguf is not None:
-        for key, value, kind, sub in _source_tokenizer_fields(Path(tokenizer_gguf), tokens):
-            writer.add_key_value(key, value, kind, sub_type=sub)
-    else:
-        _tokenizer_from_hf(writer, tokenizer, vocab)
-    for name, tensor in tensors.items():
-        _add_tensor(writer, name, tensor, dtype)
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        tmp.replace(out_file)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return out_file
-
-
-REQUIRED_KEYS = (
-    "llama.context_length",
-    "llama.embedding_length",
-    "llama.block_count",
-    "llama.feed_forward_length",
-    "llama.attention.head_count",
-    "llama.attention.head_count_kv",
-    "llama.attention.layer_norm_rms_epsilon",
-    "llama.rope.freq_base",
-    "llama.rope.dimension_count",
-    "llama.vocab_size",
-    "tokenizer.ggml.model",
-    "tokenizer.ggml.tokens",
-    "tokenizer.ggml.token_type",
-)
-
-
-def verify_gguf(path: Path) -> list[str]:
-    """Problems a GGUF draft has for llama.cpp / transformers: metadata the loader needs, exact tensor set, shapes."""
-    files = [path] if path.is_file() else sorted(path.glob("*.gguf"))
-    if len(files) != 1:
-        return [f"expected one .gguf file at {path}, found {len(files)}"]
-    reader = gguf.GGUFReader(str(files[0]))
-    fields = reader.fields
-    problems = [f"metadata {k} missing (the loader would guess it)" for k in REQUIRED_KEYS if k not in fields]
-    if "general.architecture" not in fields or fields["general.architecture"].contents() != "llama":
-        problems.append("general.architecture must be 'llama'")
-    if problems:
-        return problems
-    meta = {k: fields[k].contents() for k in REQUIRED_KEYS if k != "tokenizer.ggml.tokens"}
-    n_tokens = len(fields["tokenizer.ggml.tokens"].data)
-    if meta["tokenizer.ggml.model"] == "gpt2" and "tokenizer.ggml.merges" not in fields:
-        problems.append("a gpt2 (byte-level BPE) tokenizer needs tokenizer.ggml.merges")
-    if "general.name" in fields and "mistral" in str(fields["general.name"].contents()).lower():
-        problems.append(
-            "general.name contains 'mistral': transformers would load the file as a Mistral model"
-        )
-    H, L = meta["llama.embedding_length"], meta["llama.block_count"]
-    heads, kv_heads = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
-    hd, ff, V = (
-        meta["llama.rope.dimension_count"],
-        meta["llama.feed_forward_length"],
-        meta["llama.vocab_size"],
+    source_fields = (
+        _source_tokenizer_fields(Path(tokenizer_gguf), tokens) if tokenizer_gguf is not None else None
     )
-    if n_tokens != V:
-        problems.append(f"{n_tokens} tokens but llama.vocab_size {V}")
-    expected = {"token_embd.weight": (V, H), "output_norm.weight": (H,)}
-    for i in range(L):
-        expected |= {
-            f"blk.{i}.attn_norm.weight": (H,),
-            f"blk.{i}.ffn_norm.weight": (H,),
-            f"blk.{i}.attn_q.weight": (heads * hd, H),
-            f"blk.{i}.attn_k.weight": (kv_heads * hd, H),
-            f"blk.{i}.attn_v.weight": (kv_heads * hd, H),
-            f"blk.{i}.attn_output.weight": (H, heads * hd),
-            f"blk.{i}.ffn_gate.weight": (ff, H),
-            f"blk.{i}.ffn_up.weight": (ff, H),
-            f"blk.{i}.ffn_down.weight": (H, ff),
-        }
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-    if "output.weight" in shapes:
-        expected["output.weight"] = (V, H)
-    problems += [f"tensor {n} missing" for n in sorted(set(expected) - set(shapes))]
-    problems += [
-        f"tensor {n} is not one the loader maps (it would be skipped)"
-        for n in sorted(set(shapes) - set(expected))
+
+    def fill(writer: gguf.GGUFWriter) -> None:
+        writer.add_name(
+            draft_dir.resolve().name if draft_dir.name != "draft" else draft_dir.resolve().parent.name
+        )
+        _add_decoder_hparams(writer, hparams, dtype)
+        if source_fields is not None:
+            _copy_fields(writer, source_fields)
+        else:
+            _tokenizer_from_hf(writer, tokenizer, vocab)
+        for name, tensor in tensors.items():
+            _add_tensor(writer, name, tensor, dtype)
+
+    return _write_file(out_file, "llama", fill)
+
+
+# reference EAGLE-3 name (draftsmith.eagle_export.NAME_MAP's values) -> llama.cpp eagle3 tensor name
+EAGLE3_NAMES = {
+    "fc.weight": "fc.weight",
+    "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
+    "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+    "midlayer.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+    **{f"midlayer.self_attn.{p}_proj.weight": f"blk.0.attn_{p}.weight" for p in "qkv"},
+    "midlayer.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+    **{f"midlayer.mlp.{p}_proj.weight": f"blk.0.ffn_{p}.weight" for p in ("gate", "up", "down")},
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def eagle3_tensors(weights: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """EagleHead tensors → llama.cpp ``eagle3`` tensors: fc's blocks in ascending layer order, q/k rows
+    permuted, ``d2t`` as absolute target ids unless the draft vocabulary is the target's."""
+    reference = {NAME_MAP[name]: tensor for name, tensor in weights.items() if name in NAME_MAP}
+    _, reference["fc.weight"] = ascending_capture(config["capture_layer_ids"], reference["fc.weight"])
+    out = {gguf_name: reference[name].float() for name, gguf_name in EAGLE3_NAMES.items()}
+    out["blk.0.attn_q.weight"] = permute_rows(out["blk.0.attn_q.weight"], config["num_attention_heads"])
+    out["blk.0.attn_k.weight"] = permute_rows(out["blk.0.attn_k.weight"], config["num_key_value_heads"])
+    if config["draft_vocab_size"] != config["vocab_size"]:
+        out["d2t"] = reference["d2t"].long()
+    return out
+
+
+def gguf_fingerprint(reader: gguf.GGUFReader) -> str:
+    """``decode.target.tokenizer_fingerprint`` of the tokenizer a GGUF file carries (padding rows aside)."""
+    import hashlib
+
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    h = hashlib.sha256()
+    for idx, token in enumerate(tokens):
+        if types[idx] != gguf.TokenType.UNUSED:
+            h.update(f"{idx}\t{token}\n".encode())
+    template = reader.fields.get("tokenizer.chat_template")
+    h.update((template.contents() if template is not None else "").encode())
+    return h.hexdigest()[:16]
+
+
+def check_target_gguf(source: Path, target: dict) -> list[tuple]:
+    """The tokenizer fields of ``source`` after checking it is a GGUF of the head's target ``target``."""
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    if arch == "eagle3":
+        raise ValueError(
+            f"{source} is an EAGLE-3 head, not its target; pass the target's GGUF with --target-gguf"
+        )
+    theirs = {
+        "num_hidden_layers": reader.fields.get(f"{arch}.block_count"),
+        "hidden_size": reader.fields.get(f"{arch}.embedding_length"),
+    }
+    problems = [
+        f"{key} {field.contents() if field is not None else None} (the head's target: {target.get(key)})"
+        for key, field in theirs.items()
+        if field is None or field.contents() != target.get(key)
     ]
-    problems += [
-        f"tensor {n} has shape {shapes[n]}, expected {expected[n]}"
-        for n in sorted(set(expected) & set(shapes))
-        if shapes[n] != expected[n]
-    ]
-    return problems
+    n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if n_tokens != target.get("vocab_size"):
+        problems.append(f"{n_tokens} tokens (the head's target: {target.get('vocab_size')})")
+    if not problems and gguf_fingerprint(reader) != target.get("tokenizer_fingerprint"):
+        problems.append(
+            f"tokenizer fingerprint {gguf_fingerprint(reader)} (the head's target: {target.get('tokenizer_fingerprint')})"
+        )
+    if problems:
+        raise ValueError(
+            f"{source} is not a GGUF of the head's target {target.get('name')!r}: it has "
+            + "; ".join(problems)
+            + ". Pass --target-gguf with the GGUF of the target the head was trained for."
+        )
+    return _fields_with_prefix(reader, "tokenizer.")
+
+
+def write_eagle3_gguf(config: dict, weights: dict[str, torch.Tensor], out_file: str | Path, target_gguf: Path,
+                      dtype: str = "f16", name: str = "eagle3") -> Path:  # fmt: skip
+    """Write an EAGLE-3 head (its ``config.json`` as a dict and its tensors) as a llama.cpp ``eagle3``
+    GGUF; ``target_gguf`` is the GGUF of its target, whose tokenizer it copies after checking the pair."""
+    _check_dtype(dtype)
+    check_exportable(config, "gguf")
+    tokenizer_fields = check_target_gguf(Path(target_gguf), config["target"])
+    tensors = eagle3_tensors(weights, config)
+    hparams = {**config, "num_hidden_layers": 1}
+    layer_ids = engine_layer_ids(sorted(config["capture_layer_ids"]), "gguf")
+
+    def fill(writer: gguf.GGUFWriter) -> None:
+        writer.add_name(name)
+        _add_decoder_hparams(writer, hparams, dtype)
+        writer.add_array("eagle3.target_layers", layer_ids)  # llama.cpp LLM_KV_TARGET_LAYERS
+        writer.add_uint32("eagle3.target_hidden_size", config["target"]["hidden_size"])
+        writer.add_bool("eagle3.norm_before_residual", False)  # the residual is the fused feature itself
+        _copy_fields(writer, tokenizer_fields)
+        for tensor_name, tensor in tensors.items():
+            if tensor_name == "d2t":
+                writer.add_tensor(
+                    tensor_name, tensor.numpy().astype(np.int64), raw_dtype=gguf.GGMLQuantizationType.I64
+                )
+            else:
+                _add_tensor(writer, tensor_name, tensor, dtype)
+
+    return _write_file(Path(out_file), "eagle3", fill)

@@ -4,44 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import CHATML, tiny_model, tiny_target
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from tiny import tiny_bpe_target_gguf, tiny_bpe_tokenizer, tiny_model, tiny_target
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith import gguf_export
+from draftsmith import gguf_export, llamacpp
 from draftsmith.cli import main
 from draftsmith.decode.target import Target, tokenizer_fingerprint
 from draftsmith.drafts import small_lm
 from draftsmith.export_verify import ExportVerificationError, verify_export
 
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog. The dog sleeps.",
-    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
-    "Speculative decoding drafts tokens and the target verifies them.",
-] * 4
 TEXT = "The quick <|im_start|>brown dog<|im_end|> def add(a, b): return a + b"
-
-
-def bpe_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE with real merges (GGUF's gpt2 tokenizer needs merges), ChatML specials, 300 ids."""
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|im_start|>", "<|im_end|>", "<pad>"],
-        show_progress=False,
-    )
-    backend.train_from_iterator(CORPUS, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<pad>")
-    tokenizer.chat_template = CHATML
-    return tokenizer
 
 
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory):
-    tokenizer = bpe_tokenizer()
+    tokenizer = tiny_bpe_tokenizer()
     target = Target(tiny_model("llama", vocab_size=len(tokenizer)), tokenizer, "tiny-bpe")
     draft = small_lm.from_config(target, 2, 32, seed=0).eval()
     run = tmp_path_factory.mktemp("run")
@@ -148,3 +125,103 @@ def test_smollm2_draft_gguf_carries_the_target_tokenizer(tmp_path):
     assert verify_export(gguf_file, "gguf")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf_file.name)
     assert tokenizer_fingerprint(tokenizer) == target.fingerprint()
+
+
+def test_the_pre_tokenizer_and_token_types_are_the_ones_llama_cpp_needs(draft_dir, tmp_path):
+    """GPT-2's ByteLevel split is llama.cpp's `gpt-2` (its `default` splits "  #" otherwise), and an added
+    special token such as <|im_start|> is CONTROL (USER_DEFINED tokens are printed in generated text)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_export.write_gguf(draft_dir, tmp_path / "d.gguf", "f32")))
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    for special in ("<|im_start|>", "<|im_end|>", "<pad>"):
+        assert types[tokens.index(special)] == gguf.TokenType.CONTROL, special
+    assert types[tokens.index("Ġthe")] == gguf.TokenType.NORMAL
+
+
+def test_a_pre_tokenizer_llama_cpp_cannot_be_told_is_refused(tmp_path):
+    from tokenizers import pre_tokenizers
+
+    tokenizer = tiny_bpe_tokenizer()
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Punctuation(), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    target = Target(tiny_model("llama", vocab_size=len(tokenizer)), tokenizer, "tiny-bpe")
+    path = small_lm.save_draft(small_lm.from_config(target, 1, 32, seed=0), tokenizer, target, tmp_path / "d")
+    with pytest.raises(ValueError, match="cannot name for llama.cpp.*--target-gguf"):
+        gguf_export.write_gguf(path, tmp_path / "d.gguf")
+    assert not (tmp_path / "d.gguf").exists()
+
+
+@pytest.fixture(scope="module")
+def bpe_target(tmp_path_factory):
+    """The tiny BPE target as a GGUF (an EAGLE-3 head's GGUF copies its target's tokenizer from one)."""
+    return tiny_bpe_target_gguf(tmp_path_factory.mktemp("target"))
+
+
+def eagle3_head(target, directory, capture, draft_vocab):
+    from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
+
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(target, draft_vocab_size=draft_vocab, capture_layer_ids=capture))
+    head.set_vocab_map(*build_vocab_map(torch.rand(target.vocab_size), head.config.draft_vocab_size))
+    head.save_pretrained(directory)
+    return head
+
+
+def test_an_eagle3_head_gguf_holds_llama_cpps_eagle3_layout(bpe_target, tmp_path):
+    import gguf
+
+    from draftsmith.draft_checkpoint import locate_checkpoint
+    from draftsmith.export import export_checkpoint
+
+    target, target_gguf = bpe_target
+    head = eagle3_head(target, tmp_path / "head", [5, 1, 3], 120)
+    path = export_checkpoint(locate_checkpoint(str(tmp_path / "head")), "gguf", tmp_path / "h.gguf", "f32",
+                             str(target_gguf))  # fmt: skip
+    assert verify_export(path, "gguf")
+    reader = gguf.GGUFReader(str(path))
+    assert reader.fields["general.architecture"].contents() == "eagle3"
+    assert list(reader.fields["eagle3.target_layers"].contents()) == [2, 4, 6]  # ascending, input of layer L
+    tensors = {t.name: t for t in reader.tensors}
+    assert "token_embd.weight" not in tensors  # llama.cpp embeds with the target's
+    fc = torch.from_numpy(tensors["fc.weight"].data.copy())
+    blocks = head.fuse_features.weight.detach().split(target.config.hidden_size, dim=1)  # in order 5, 1, 3
+    assert torch.equal(fc, torch.cat([blocks[1], blocks[2], blocks[0]], dim=1))  # 1, 3, 5
+    assert torch.equal(torch.from_numpy(tensors["d2t"].data.copy()), head.d2t)  # absolute ids
+    full = eagle3_head(target, tmp_path / "full", None, target.vocab_size)
+    path = export_checkpoint(locate_checkpoint(str(tmp_path / "full")), "gguf", tmp_path / "f.gguf", "f32",
+                             str(target_gguf))  # fmt: skip
+    assert "d2t" not in {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert full.config.draft_vocab_size == target.vocab_size
+
+
+def test_an_eagle3_gguf_needs_the_gguf_of_its_own_target(bpe_target, tmp_path, capsys):
+    from draftsmith.draft_checkpoint import locate_checkpoint
+    from draftsmith.export import export_checkpoint
+
+    target, target_gguf = bpe_target
+    eagle3_head(target, tmp_path / "head", None, 120)
+    ckpt = locate_checkpoint(str(tmp_path / "head"))
+    with pytest.raises(ValueError, match="has no GGUF that draftsmith knows.*--target-gguf"):
+        export_checkpoint(ckpt, "gguf", tmp_path / "a.gguf")
+    other = tmp_path / "other"
+    model = tiny_model("llama", vocab_size=len(target.tokenizer), layers=4)
+    model.save_pretrained(other)
+    target.tokenizer.save_pretrained(other)
+    with pytest.raises(ValueError, match="not a GGUF of the head's target.*num_hidden_layers 4"):
+        export_checkpoint(
+            ckpt, "gguf", tmp_path / "b.gguf", "f32", str(gguf_export.write_gguf(other, tmp_path / "o.gguf"))
+        )
+    assert main(["export", str(tmp_path / "head"), "--to", "gguf", "--out", str(tmp_path / "c.gguf")]) == 2
+    assert "--target-gguf" in capsys.readouterr().err
+    assert not any(p.suffix == ".gguf" and p.name[0] in "abc" for p in tmp_path.iterdir())
+
+
+def test_a_missing_build_names_the_command_that_installs_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTSMITH_LLAMACPP", str(tmp_path / "nowhere"))
+    assert not llamacpp.available()
+    with pytest.raises(FileNotFoundError, match="bash scripts/install_llamacpp.sh"):
+        llamacpp.tool("llama-server")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 CHATML = (
@@ -30,6 +30,30 @@ def tiny_tokenizer(chat_template: str | None = CHATML) -> PreTrainedTokenizerFas
     tok.eos_token = "<|im_end|>"
     tok.chat_template = chat_template
     return tok
+
+
+BPE_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. The dog sleeps.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Speculative decoding drafts tokens and the target verifies them.",
+] * 4
+
+
+def tiny_bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE with real merges (GGUF's gpt2 tokenizer needs merges), ChatML specials, 300 ids."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|im_start|>", "<|im_end|>", "<pad>"],
+        show_progress=False,
+    )
+    backend.train_from_iterator(BPE_CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<pad>")
+    tokenizer.chat_template = CHATML
+    return tokenizer
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 259, layers: int = 4, hidden: int = 32, **overrides):
@@ -68,3 +92,16 @@ def tiny_target(arch: str = "llama", seed: int = 0, **overrides):
     from draftsmith.decode.target import Target
 
     return Target(tiny_model(arch, seed, **overrides), tiny_tokenizer(), f"tiny-{arch}")
+
+
+def tiny_bpe_target_gguf(root):
+    """An 8-layer tiny Llama target on ``tiny_bpe_tokenizer`` and its F32 GGUF (written under ``root``):
+    the same model for transformers and for llama.cpp."""
+    from draftsmith.decode.target import Target
+    from draftsmith.gguf_export import write_gguf
+
+    tokenizer = tiny_bpe_tokenizer()
+    target = Target(tiny_model("llama", vocab_size=len(tokenizer), layers=8), tokenizer, "tiny-bpe")
+    target.model.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    return target, write_gguf(root / "target", root / "target.gguf", "f32")

@@ -1,0 +1,141 @@
+"""Check a GGUF draft against what llama.cpp's loader reads (and transformers', for Llama drafts).
+
+The expectations are written down here from llama.cpp's source (``src/llama-model.cpp``,
+``src/models/eagle3.cpp``, ``src/llama-vocab.cpp``; the version in docs/EXPORT.md), not derived from
+the writer, so a mistake in ``gguf_export`` shows up as a failed check; llama.cpp itself, run for real,
+is the final judge (tests/test_llamacpp.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+HPARAM_KEYS = (
+    "context_length",
+    "embedding_length",
+    "block_count",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "vocab_size",
+)
+"""Keys (after the architecture prefix) llama.cpp reads for every decoder."""
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type")
+EAGLE3_KEYS = ("eagle3.target_layers", "eagle3.target_hidden_size")
+
+
+def _layer_shapes(i: int, H: int, heads: int, kv_heads: int, hd: int, ff: int, attn_in: int) -> dict:
+    return {
+        f"blk.{i}.attn_norm.weight": (H,),
+        f"blk.{i}.ffn_norm.weight": (H,),
+        f"blk.{i}.attn_q.weight": (heads * hd, attn_in),
+        f"blk.{i}.attn_k.weight": (kv_heads * hd, attn_in),
+        f"blk.{i}.attn_v.weight": (kv_heads * hd, attn_in),
+        f"blk.{i}.attn_output.weight": (H, heads * hd),
+        f"blk.{i}.ffn_gate.weight": (ff, H),
+        f"blk.{i}.ffn_up.weight": (ff, H),
+        f"blk.{i}.ffn_down.weight": (H, ff),
+    }
+
+
+def verify_gguf(path: Path) -> list[str]:
+    """Problems a GGUF draft has for llama.cpp (and transformers, for Llama drafts): metadata the loader
+    needs, the exact tensor set and shapes; for an ``eagle3`` head also its layer ids and ``d2t``."""
+    found = [path] if path.is_file() else sorted(path.glob("*.gguf"))
+    if len(found) != 1:
+        return [f"expected one .gguf file at {path}, found {len(found)}"]
+    reader = gguf.GGUFReader(str(found[0]))
+    fields = reader.fields
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
+    if arch not in ("llama", "eagle3"):
+        return [
+            f"general.architecture must be 'llama' (a draft model) or 'eagle3' (an EAGLE-3 head), got {arch!r}"
+        ]
+    required = [f"{arch}.{k}" for k in HPARAM_KEYS] + list(TOKENIZER_KEYS)
+    required += list(EAGLE3_KEYS) if arch == "eagle3" else []
+    problems = [f"metadata {k} missing (the loader would guess it)" for k in required if k not in fields]
+    if problems:
+        return problems
+    meta = {
+        k.removeprefix(f"{arch}."): fields[k].contents() for k in required if k != "tokenizer.ggml.tokens"
+    }
+    n_tokens = len(fields["tokenizer.ggml.tokens"].data)
+    if meta["tokenizer.ggml.model"] == "gpt2" and "tokenizer.ggml.merges" not in fields:
+        problems.append("a gpt2 (byte-level BPE) tokenizer needs tokenizer.ggml.merges")
+    if meta["tokenizer.ggml.model"] == "gpt2" and fields.get("tokenizer.ggml.pre") is None:
+        problems.append("tokenizer.ggml.pre missing: llama.cpp would split text with its default regex")
+    if "general.name" in fields and "mistral" in str(fields["general.name"].contents()).lower():
+        problems.append(
+            "general.name contains 'mistral': transformers would load the file as a Mistral model"
+        )
+    H, L, V = meta["embedding_length"], meta["block_count"], meta["vocab_size"]
+    heads, kv_heads = meta["attention.head_count"], meta["attention.head_count_kv"]
+    hd, ff = meta["rope.dimension_count"], meta["feed_forward_length"]
+    if n_tokens != V:
+        problems.append(f"{n_tokens} tokens but {arch}.vocab_size {V}")
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    if arch == "llama":
+        expected = {"token_embd.weight": (V, H), "output_norm.weight": (H,)}
+        for i in range(L):
+            expected |= _layer_shapes(i, H, heads, kv_heads, hd, ff, H)
+        if "output.weight" in shapes:
+            expected["output.weight"] = (V, H)
+    else:
+        problems += _check_eagle3_meta(reader, meta, L)
+        d2t = next((t for t in reader.tensors if t.name == "d2t"), None)
+        Vd = int(d2t.shape[0]) if d2t is not None else V
+        expected = {
+            "fc.weight": (H, 3 * meta["target_hidden_size"]),
+            "output_norm.weight": (H,),
+            "output.weight": (Vd, H),
+            "blk.0.attn_norm_2.weight": (H,),
+            **_layer_shapes(0, H, heads, kv_heads, hd, ff, 2 * H),
+        }
+        if d2t is not None:
+            expected["d2t"] = (Vd,)
+            problems += _check_d2t(d2t, V)
+        if "token_embd.weight" in shapes:
+            expected["token_embd.weight"] = (V, H)
+    problems += [f"tensor {n} missing" for n in sorted(set(expected) - set(shapes))]
+    problems += [
+        f"tensor {n} is not one the loader maps (it would be skipped)"
+        for n in sorted(set(shapes) - set(expected))
+    ]
+    problems += [
+        f"tensor {n} has shape {shapes[n]}, expected {expected[n]}"
+        for n in sorted(set(expected) & set(shapes))
+        if shapes[n] != expected[n]
+    ]
+    return problems
+
+
+def _check_eagle3_meta(reader: gguf.GGUFReader, meta: dict, n_layers: int) -> list[str]:
+    """llama.cpp's eagle3 loader: one block, exactly 3 target layers (ascending, as fc's columns are)."""
+    problems = (
+        [] if n_layers == 1 else [f"eagle3.block_count is {n_layers}; llama.cpp's eagle3 graph has one block"]
+    )
+    ids = [int(i) for i in reader.fields["eagle3.target_layers"].contents()]
+    if len(ids) != 3:
+        problems.append(f"eagle3.target_layers must list exactly 3 layer ids, got {ids}")
+    elif ids != sorted(set(ids)):
+        problems.append(
+            f"eagle3.target_layers {ids} must be distinct and ascending (fc's columns follow that order)"
+        )
+    return problems
+
+
+def _check_d2t(d2t, vocab: int) -> list[str]:
+    if d2t.tensor_type != gguf.GGMLQuantizationType.I64:
+        return [f"d2t must be I64 (llama.cpp asserts it), got {d2t.tensor_type.name}"]
+    ids = np.asarray(d2t.data).reshape(-1)
+    if ids.min() < 0 or ids.max() >= vocab:
+        return [f"d2t holds ids outside the target vocabulary 0..{vocab - 1} (llama.cpp reads absolute ids)"]
+    if np.unique(ids).size != ids.size:
+        return ["d2t maps two draft ids to one target id"]
+    return []
