@@ -1,0 +1,168 @@
+"""A real llama.cpp, run for real: find the optional build and drive ``llama-server`` over HTTP.
+
+The build comes from ``scripts/install_llamacpp.sh`` (llama.cpp's MIT source as vendored in the PyPI
+sdist of llama-cpp-python, built into the draftsmith cache). ``DRAFTSMITH_LLAMACPP`` points at another
+``build/bin`` folder. Nothing here is needed to train, decode or export; tests that need it skip
+without it, and ``bench/llamacpp_engine.py`` measures llama.cpp's own speculative decoding with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+LLAMACPP_PY_VERSION = "0.3.36"
+INSTALL = "bash scripts/install_llamacpp.sh"
+
+
+def cpu_args() -> list[str]:
+    """Flags this CPU needs: on a CPU with AMX, llama.cpp's AMX matrix kernels (weights repacked at load)
+    crash with a segmentation fault in ``ggml_backend_amx_mul_mat`` on the bundled Q4_1 target
+    (ggml-org/llama.cpp#20824, open); ``--no-repack`` keeps the weights in their own layout."""
+    from draftsmith.decode.target import cpu_flags
+
+    return ["--no-repack"] if "amx_int8" in cpu_flags() or "amx_tile" in cpu_flags() else []
+
+
+def bin_dir() -> Path:
+    """Where the llama.cpp tools are: $DRAFTSMITH_LLAMACPP, else the install script's folder in the cache."""
+    if os.environ.get("DRAFTSMITH_LLAMACPP"):
+        return Path(os.environ["DRAFTSMITH_LLAMACPP"])
+    cache = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+    return cache / "llama.cpp" / f"llama-cpp-python-{LLAMACPP_PY_VERSION}" / "build" / "bin"
+
+
+def tool(name: str) -> Path:
+    """The path of a built llama.cpp tool (``llama-server``, ...); a clear error naming the install command."""
+    path = bin_dir() / name
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise FileNotFoundError(
+            f"llama.cpp's {name} is not built here ({path}). It is an optional extra: run `{INSTALL}` from a "
+            "draftsmith checkout (cmake and a C++ compiler; about 5 minutes on 2 cores), or set DRAFTSMITH_LLAMACPP "
+            "to the build/bin folder of a llama.cpp build."
+        )
+    return path
+
+
+def available(name: str = "llama-server") -> bool:
+    try:
+        tool(name)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``llama-server`` on a free local port for the length of a ``with`` block.
+
+    ``args`` are llama-server's own flags after ``-m MODEL`` (``--spec-type draft-eagle3
+    --spec-draft-model HEAD.gguf``, ``-c 4096``, ...). The server's log goes to ``log`` (or is discarded);
+    with ``log`` the server also logs every verify step ("accepted a/p draft tokens", LLAMA_TRACE=1).
+    """
+
+    def __init__(self, model: str | Path, args: list[str] | None = None, threads: int | None = None,
+                 log: str | Path | None = None, start_timeout: float = 120.0):  # fmt: skip
+        self.model, self.args, self.log, self.start_timeout = (
+            Path(model),
+            list(args or []),
+            log,
+            start_timeout,
+        )
+        self.threads = threads or os.cpu_count() or 1
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Server:
+        cmd = [
+            str(tool("llama-server")),
+            "-m",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
+        cmd += [
+            "-t",
+            str(self.threads),
+            "-tb",
+            str(self.threads),
+            "--no-ui",
+            "-np",
+            "1",
+            *cpu_args(),
+            *self.args,
+        ]
+        out = open(self.log, "w") if self.log else subprocess.DEVNULL  # noqa: SIM115 (closed in __exit__)
+        self._log_file = out if self.log else None
+        env = {**os.environ, "LLAMA_TRACE": "1"} if self.log else None
+        self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                tail = Path(self.log).read_text()[-2000:] if self.log else "(pass log= to see why)"
+                raise RuntimeError(f"llama-server exited with code {self._proc.returncode}:\n{tail}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        self.__exit__(None, None, None)
+        raise TimeoutError(f"llama-server did not become ready within {self.start_timeout:.0f} s")
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+
+    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
+        request = urllib.request.Request(
+            f"{self.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """llama.cpp's tokenization of ``text`` (special tokens parsed; no BOS added)."""
+        return self.post("/tokenize", {"content": text, "add_special": False, "parse_special": special})[
+            "tokens"
+        ]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.post("/detokenize", {"tokens": list(tokens)})["content"]
+
+    def complete(self, tokens: list[int], n_predict: int, **params) -> dict:
+        """Greedy ``/completion`` from token ids: returns llama.cpp's JSON (``tokens``, ``timings`` with
+        ``draft_n`` / ``draft_n_accepted`` when it speculated, ``predicted_per_second``)."""
+        body = {
+            "prompt": list(tokens),
+            "n_predict": n_predict,
+            "temperature": 0.0,
+            "top_k": 1,
+            "samplers": ["top_k"],
+            "cache_prompt": False,
+            "return_tokens": True,
+            **params,
+        }
+        return self.post("/completion", body)
