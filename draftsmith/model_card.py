@@ -16,10 +16,8 @@ from pathlib import Path
 import yaml
 
 from draftsmith.draft_checkpoint import EAGLE, DraftCheckpoint
-from draftsmith.hub import HUB_ID
+from draftsmith.hub import HUB_ID, KNOWN_TARGETS, hub_id_of_target
 
-KNOWN_TARGETS = {"smollm2-135m-instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")}
-"""Target aliases draftsmith knows → (Hub id, license)."""
 PLOT_NAME = "acceptance.png"
 
 
@@ -91,10 +89,8 @@ def base_model_of(ckpt: DraftCheckpoint, given: str | None) -> str:
     if given:
         return given
     name = str(ckpt.target.get("name") or "")
-    if name in KNOWN_TARGETS:
-        return KNOWN_TARGETS[name][0]
-    if HUB_ID.match(name) and not Path(name).exists():
-        return name
+    if hub_id_of_target(ckpt.target):
+        return hub_id_of_target(ckpt.target)
     raise ValueError(
         f"the draft's target is recorded as {name!r}, which is not a Hub id; pass --base-model ORG/NAME (the "
         "target's id on the Hub, written as base_model in the card)"
@@ -108,6 +104,49 @@ def license_of(ckpt: DraftCheckpoint, given: str | None) -> str:
     if name in KNOWN_TARGETS:
         return KNOWN_TARGETS[name][1]
     raise ValueError("pass --license (e.g. apache-2.0): a draft usually follows its target's license")
+
+
+def _local_path(value: str) -> Path | None:
+    """``value`` as a local path if it reads as one (absolute, ./ or ../, several parts, or existing)."""
+    if not value or "\n" in value or HUB_ID.match(value) and not Path(value).exists():
+        return None  # a Hub id (org/name) stays as it is
+    path = Path(value)
+    if path.is_absolute() or value.startswith(("./", "../")) or len(path.parts) > 2 or path.exists():
+        return path
+    return None
+
+
+def file_digest(path: Path) -> str:
+    """The first 12 hex digits of the file's sha256."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:12]
+
+
+def portable(value):
+    """``value`` (a recipe or report, nested dicts/lists) with every local path replaced by its file name
+    and, for a file that is here, the start of its sha256: what was used, not where it lay on this disk."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v) for v in value]
+    if isinstance(value, str) and (path := _local_path(value)) is not None:
+        if path.is_file():
+            return f"{path.name} (sha256 {file_digest(path)})"
+        return f"{path.name}/" if path.is_dir() else path.name
+    return value
+
+
+def portable_recipe(text: str) -> str:
+    """The recipe YAML with local paths replaced (see ``portable``)."""
+    recipe = yaml.safe_load(text)
+    if not isinstance(recipe, dict):
+        return text
+    return yaml.safe_dump(portable(recipe), sort_keys=False, allow_unicode=True)
 
 
 def _fmt(x, spec: str = ".2f") -> str:
@@ -215,8 +254,18 @@ def usage_section(ckpt: DraftCheckpoint, repo_id: str, base_model: str) -> list[
             f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
             "```",
             "",
-            "The engine exports differ only in where the auxiliary layer ids live and how they count layers; "
-            "see draftsmith's docs/EXPORT.md.",
+            "vLLM also reads the speculators format: `draftsmith export ... --to speculators`.",
+            "",
+            "### llama.cpp / LM Studio",
+            "",
+            "```bash",
+            f"draftsmith export {repo_id} --to gguf --out head.gguf  # --target-gguf TARGET.gguf unless draftsmith knows it",
+            f"llama-server -m TARGET.gguf --spec-type draft-eagle3 --spec-draft-model head.gguf --spec-draft-n-max {k}",
+            "```",
+            "",
+            "The engine exports differ in where the auxiliary layer ids live and how they count layers; "
+            "see draftsmith's docs/EXPORT.md. The llama.cpp command is the one draftsmith's engine benchmark "
+            "runs (add `--no-repack` on CPUs with AMX, ggml-org/llama.cpp#20824).",
             "",
         ]
         return lines
@@ -255,9 +304,12 @@ def usage_section(ckpt: DraftCheckpoint, repo_id: str, base_model: str) -> list[
             "### llama.cpp / LM Studio",
             "",
             "```bash",
-            f"draftsmith export {repo_id} --to gguf --gguf-dtype q8_0 --out draft-gguf",
-            "llama-server -m target.gguf -md draft-gguf/*.gguf --draft-max 8",
+            f"draftsmith export {repo_id} --to gguf --gguf-dtype q8_0 --out draft.gguf",
+            f"llama-server -m TARGET.gguf --spec-type draft-simple --spec-draft-model draft.gguf --spec-draft-n-max {k}",
             "```",
+            "",
+            "(the command draftsmith's engine benchmark runs; add `--no-repack` on CPUs with AMX, "
+            "ggml-org/llama.cpp#20824)",
             "",
         ]
     return lines
@@ -315,7 +367,16 @@ def render_card(
     lines.append("")
     lines += metrics_section(ev, plot) if ev else ["## Measured speed-up", "", "Not measured yet.", ""]
     if recipe:
-        lines += ["## Training recipe", "", "```yaml", recipe.strip(), "```", ""]
+        lines += [
+            "## Training recipe",
+            "",
+            "Local files are named with the first 12 hex digits of their sha256.",
+            "",
+            "```yaml",
+            portable_recipe(recipe).strip(),
+            "```",
+            "",
+        ]
     lines += usage_section(ckpt, repo_id, base_model)
     if ev:
         from draftsmith.eval.report import METRICS

@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
+from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
 from draftsmith.hub import HUB_ID
-from draftsmith.model_card import PLOT_NAME, base_model_of, find_report, license_of, render_card
+from draftsmith.model_card import (
+    PLOT_NAME,
+    base_model_of,
+    find_report,
+    license_of,
+    portable,
+    portable_recipe,
+    render_card,
+)
 
 REPORT_NAME = "eval_report.json"
 RECIPE_NAME = "train_config.yaml"
@@ -101,10 +108,10 @@ def _copy_draft(ckpt: DraftCheckpoint, folder: Path) -> None:
         )
     for file in sorted(ckpt.draft_dir.iterdir()):
         if file.is_file() and not file.name.startswith("."):
-            shutil.copy2(file, folder / file.name)
+            shutil.copyfile(file, folder / file.name)
     recipe = ckpt.recipe_path()
-    if recipe is not None and not (folder / RECIPE_NAME).exists():
-        shutil.copy2(recipe, folder / RECIPE_NAME)
+    if recipe is not None:
+        (folder / RECIPE_NAME).write_text(portable_recipe(recipe.read_text()))
 
 
 def build_folder(
@@ -137,16 +144,16 @@ def build_folder(
         datasets = recipe_datasets(yaml.safe_load(recipe_text) if recipe_text else None)
 
     _check_out(out, ckpt)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    os.chmod(tmp, 0o755)
-    try:
+
+    def fill(tmp: Path) -> None:
         _copy_draft(ckpt, tmp)
         plot = None
         if ev is not None:
-            (tmp / REPORT_NAME).write_text(json.dumps(ev.report, indent=2, ensure_ascii=False) + "\n")
+            (tmp / REPORT_NAME).write_text(
+                json.dumps(published_report(ev, repo_id), indent=2, ensure_ascii=False) + "\n"
+            )
             if (ev.path.parent / PLOT_NAME).is_file():
-                shutil.copy2(ev.path.parent / PLOT_NAME, tmp / PLOT_NAME)
+                shutil.copyfile(ev.path.parent / PLOT_NAME, tmp / PLOT_NAME)
             else:
                 from draftsmith.eval.plots import plot_report
 
@@ -155,13 +162,20 @@ def build_folder(
         card = render_card(ckpt, repo_id, base, lic, datasets, ev, plot, recipe_text)
         (tmp / "README.md").write_text(card)
         check_no_token(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    files.replace_dir(out, fill)
     return out
+
+
+def published_report(ev, repo_id: str) -> dict:
+    """The eval report as published: this draft named by its repo id, local paths as file names."""
+    report = dict(ev.report)
+    report["settings"] = portable(report.get("settings") or {})
+    report["drafts"] = [
+        {**d, "name": repo_id} if d is ev.entry else {**d, "name": portable(str(d.get("name")))}
+        for d in report.get("drafts") or []
+    ]
+    return report
 
 
 def _check_out(out: Path, ckpt: DraftCheckpoint) -> None:

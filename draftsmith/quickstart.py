@@ -105,16 +105,19 @@ def run(args: argparse.Namespace) -> int:
             ["train", str(recipe), *data_override, f"--output.dir={run_dir}",
              f"--target.device={args.device}", *resume, *args.overrides],
         )  # fmt: skip
+    eval_dir = run_dir / "eval"  # inside the run: `draftsmith publish RUN` finds the report there
     step(
         "2/2 evaluate on held-out dev prompts: the head and n-gram lookup vs the target alone",
         ["eval", *target, "--draft", str(run_dir / "draft"), "--draft", "ngram",
          "--prompts", str(data / "dev" / "prompts.jsonl"), "--order", "round-robin",
-         "--limit", str(args.eval_prompts), "--max-new-tokens", "96", "--out", str(out / "eval")],
+         "--limit", str(args.eval_prompts), "--max-new-tokens", "96", "--out", str(eval_dir)],
     )  # fmt: skip
     print(
         f"\n[quickstart] done.\n  draft checkpoint: {run_dir / 'draft'}\n"
-        f"  eval report:      {out / 'eval' / 'report.md'}\n"
-        f"  training logs:    {run_dir / 'logs'} (CSV), {run_dir / 'tensorboard'} (TensorBoard)",
+        f"  eval report:      {eval_dir / 'report.md'}\n"
+        f"  training logs:    {run_dir / 'logs'} (CSV), {run_dir / 'tensorboard'} (TensorBoard)\n"
+        f"  next:             draftsmith publish {run_dir} --repo-id ORG/NAME --dry-run\n"
+        f"                    draftsmith export {run_dir} --to gguf   (llama.cpp; or --to vllm|sglang|speculators)",
         flush=True,
     )
     return 0

@@ -267,3 +267,32 @@ def test_push_refuses_without_a_token_and_refuses_a_folder_holding_it(evaluated,
         assert publish(evaluated, "run", "--dry-run") == 2
     finally:
         (evaluated / "run" / "draft" / "notes.txt").unlink()
+
+
+def test_the_published_folder_names_files_not_where_they_lay_on_this_disk(evaluated, tmp_path):
+    """Recipe and report keep file names (with a content hash), never this machine's absolute paths."""
+    import hashlib
+
+    data = evaluated / "prompts.jsonl"
+    run = tmp_path / "abs-run"
+    shutil.copytree(evaluated / "run" / "draft", run / "draft")
+    (run / "config.yaml").write_text(
+        yaml.safe_dump({"data": {"paths": [str(data), "org/chat-data"]}, "output": {"dir": str(run)}})
+    )
+    report = json.loads((evaluated / "run" / "eval" / "report.json").read_text())
+    report["settings"]["prompts"] = str(data)
+    for d in report["drafts"]:
+        if d["name"] == "run/draft":
+            d["name"] = str(run / "draft")
+    (run / "eval").mkdir()
+    (run / "eval" / "report.json").write_text(json.dumps(report))
+    out = tmp_path / "pub"
+    assert main(["publish", str(run), "--repo-id", "me/x", "--base-model", "a/b", "--license", "mit",
+                 "--out", str(out), "--dry-run"]) == 0  # fmt: skip
+    digest = hashlib.sha256(data.read_bytes()).hexdigest()[:12]
+    for name in ("README.md", "train_config.yaml", "eval_report.json"):
+        text = (out / name).read_text()
+        assert str(tmp_path) not in text and str(evaluated) not in text, name
+    assert f"prompts.jsonl (sha256 {digest})" in (out / "README.md").read_text()
+    assert "org/chat-data" in (out / "train_config.yaml").read_text()  # a Hub id stays as it is
+    assert json.loads((out / "eval_report.json").read_text())["drafts"][0]["name"] == "me/x"

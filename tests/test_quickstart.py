@@ -44,3 +44,65 @@ def test_a_finished_training_is_not_repeated(tmp_path):
     state.write_text(json.dumps({"step": max_steps}))
     assert training_finished(tmp_path, recipe, [])
     assert not training_finished(tmp_path, recipe, [f"--trainer.max_steps={max_steps + 40}"])
+
+
+def test_publish_finds_the_report_of_the_quickstart_eval(tmp_path, monkeypatch):
+    """The quickstart's next step works: `draftsmith publish RUN` finds the eval report the quickstart wrote.
+
+    The quickstart's own steps are recorded (not run); its eval step is then run for real on a tiny target
+    with the same --draft and --out, as the quickstart passes them."""
+    import json
+
+    import torch
+    from tiny import tiny_model, tiny_tokenizer
+
+    from draftsmith import quickstart
+    from draftsmith.decode.target import Target
+    from draftsmith.drafts.eagle import EagleConfig, EagleHead
+    from draftsmith.train.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data"
+    (data / "train").mkdir(parents=True)
+    (data / "dev").mkdir()
+    prompts = [{"question_id": 1, "category": "chat", "turns": ["Tell me about cats."]}]
+    (data / "dev" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    model, tokenizer = tiny_model("llama", layers=8), tiny_tokenizer()
+    model.save_pretrained("target")
+    tokenizer.save_pretrained("target")
+    run = tmp_path / "runs" / "quickstart" / "eagle3"
+    torch.manual_seed(0)
+    EagleHead(
+        EagleConfig.for_target(Target(model, tokenizer, "target"), draft_vocab_size=64)
+    ).save_pretrained(run / "draft")
+    (run / "config.yaml").write_text("draft: {kind: eagle3}\n")
+    max_steps = load_config(quickstart.ROOT / "configs" / "quickstart.yaml").trainer.max_steps
+    (run / "draft" / "train_state.json").write_text(json.dumps({"step": max_steps}))  # trained: skipped
+    steps = []
+    monkeypatch.setattr("draftsmith.cli.main", lambda argv: steps.append(argv) or 0)
+    assert main(["quickstart", "--data", str(data), "--out", "runs/quickstart"]) == 0
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    (eval_argv,) = [a for a in steps if a[0] == "eval"]
+    draft, out = eval_argv[eval_argv.index("--draft") + 1], eval_argv[eval_argv.index("--out") + 1]
+    tiny_eval = [
+        "eval",
+        "--target",
+        "target",
+        "--draft",
+        draft,
+        "--prompts",
+        str(data / "dev" / "prompts.jsonl"),
+    ]
+    assert main([*tiny_eval, "--max-new-tokens", "8", "--k", "2", "--warmup", "0", "--out", out]) == 0
+    publish = [
+        "publish",
+        "runs/quickstart/eagle3",
+        "--repo-id",
+        "me/head",
+        "--base-model",
+        "a/b",
+        "--license",
+        "mit",
+    ]
+    assert main([*publish, "--dry-run"]) == 0
