@@ -6,11 +6,11 @@ import json
 import math
 import os
 import platform
-import tempfile
 from pathlib import Path
 
 import torch
 
+from draftsmith import files
 from draftsmith.eval.harness import BASELINE, EvalResult, MethodResult
 from draftsmith.eval.stats import RunStats
 
@@ -207,16 +207,11 @@ def format_markdown(report: dict) -> str:
     return "\n".join(out)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder and os.replace: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def write_json(path: str | Path, result: dict) -> Path:
+    """A bench script's result as JSON, atomically; says where it went."""
+    files.write_text(path, json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    print(f"\nwrote {path}")
+    return Path(path)
 
 
 def write_report(report: dict, out_dir: str | Path) -> list[Path]:
@@ -228,8 +223,8 @@ def write_report(report: dict, out_dir: str | Path) -> list[Path]:
         )
     out.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out / "report.json", out / "report.md"
-    _write_atomic(json_path, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    _write_atomic(md_path, format_markdown(report))
+    files.write_text(json_path, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    files.write_text(md_path, format_markdown(report))
     if not report["drafts"]:
         return [json_path, md_path]
     from draftsmith.eval.plots import PLOT_NAME, plot_report

@@ -1,0 +1,223 @@
+"""llama.cpp's own speculative decoding with draftsmith's GGUF exports, beside `draftsmith eval` of the same drafts.
+
+On the same dev prompts (first turn, the target's chat template, the same prompt token ids in both
+engines), greedy, k draft tokens per step:
+
+  llama.cpp (llama-server, one per setting, all up at once, requests interleaved prompt by prompt):
+    target alone; n-gram (ngram-simple, N = 3, M = k); the distilled small draft (draft-simple);
+    the EAGLE-3 head (draft-eagle3) -- each with the bundled Q4_1 target GGUF, and with the same
+    weights dequantized to an F32 GGUF (isolates what quantized verification does to acceptance);
+  draftsmith (`eval.evaluate`, float32, CPU kernels packed as `draftsmith eval` does): the target
+    alone, the EAGLE-3 head, the small draft, n-gram.
+
+llama.cpp's acceptance is read from its own per-step log lines ("accepted a/p draft tokens"); steps
+without a draft are the tokens left over. tok/s counts prompt processing and generation in both
+engines. Prints a table, writes JSON.
+
+    python bench/llamacpp_engine.py --head runs/quickstart/eagle3 --small runs/distill_qs \\
+        --prompts ../shared/data/dev/prompts.jsonl --limit 12 --out bench/results/llamacpp_engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import time
+from pathlib import Path
+
+from draftsmith import llamacpp
+from draftsmith.decode.cpu_kernels import pack_for_decoding
+from draftsmith.decode.target import load_target, resolve_model_path, smollm2_gguf_path
+from draftsmith.draft_checkpoint import locate_checkpoint
+from draftsmith.drafts import build_drafter
+from draftsmith.eval.harness import evaluate
+from draftsmith.eval.prompts import load_prompts, render
+from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.stats import AcceptanceStats
+from draftsmith.export import export_checkpoint
+from draftsmith.gguf_export import write_gguf
+
+TARGET = "smollm2-135m-instruct"
+ACCEPTED = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
+
+
+def exports(args) -> dict[str, Path]:
+    """GGUF files: the bundled Q4_1 target, its dequantized F32 copy, the head and the small draft."""
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    files = {"q4_1": smollm2_gguf_path(), "f32": work / "target-f32.gguf"}
+    if not files["f32"].exists():
+        write_gguf(resolve_model_path(TARGET)[0], files["f32"], "f32", smollm2_gguf_path())
+    for name, run in (("eagle3", args.head), ("small", args.small)):
+        if run:
+            files[name] = work / f"{name}-{args.gguf_dtype}.gguf"
+            if not files[name].exists():
+                export_checkpoint(locate_checkpoint(run), "gguf", files[name], args.gguf_dtype)
+    return files
+
+
+def server_args(draft: str | None, files: dict[str, Path], k: int) -> list[str]:
+    common = ["-c", "4096", "--spec-draft-n-max", str(k), "--spec-draft-p-min", "0", "--log-colors", "off"]
+    if draft is None:
+        return ["-c", "4096", "--log-colors", "off"]
+    if draft == "ngram":
+        return [*common, "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                "--spec-ngram-simple-size-m", str(k), "--spec-ngram-simple-min-hits", "1"]  # fmt: skip
+    kind = "draft-eagle3" if draft == "eagle3" else "draft-simple"
+    return [*common, "--spec-type", kind, "--spec-draft-model", str(files[draft])]
+
+
+@dataclasses.dataclass
+class EngineRun:
+    """One llama-server setting over the prompts."""
+
+    name: str
+    server: llamacpp.Server
+    log: Path
+    outputs: list[list[int]] = dataclasses.field(default_factory=list)
+    accepted: list[int] = dataclasses.field(default_factory=list)
+    proposed: list[int] = dataclasses.field(default_factory=list)
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def complete(self, ids: list[int], max_new: int, timed: bool = True) -> None:
+        offset = self.log.stat().st_size
+        out = self.server.complete(ids, max_new)
+        if not timed:
+            return
+        steps = [
+            tuple(map(int, m))
+            for m in ACCEPTED.findall(self.log.read_bytes()[offset:].decode(errors="replace"))
+        ]
+        n = len(out["tokens"])
+        plain = n - 1 - sum(a + 1 for a, _ in steps)  # the first token comes from the prompt pass
+        self.accepted += [a for a, _ in steps] + [0] * plain
+        self.proposed += [p for _, p in steps] + [0] * plain
+        self.outputs.append(out["tokens"])
+        self.tokens += n
+        self.seconds += (out["timings"]["prompt_ms"] + out["timings"]["predicted_ms"]) / 1000
+
+    def summary(self, alone: EngineRun | None) -> dict:
+        stats = AcceptanceStats.from_lists(self.accepted, self.proposed)
+        row = {"tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens / self.seconds}
+        if alone is not None and alone is not self:
+            row |= {
+                "tau": stats.tau,
+                "alpha": stats.alpha,
+                "per_position": stats.per_position,
+                "speedup": row["tokens_per_s"] / (alone.tokens / alone.seconds),
+                "exact_match": self.outputs == alone.outputs,
+            }
+        return row
+
+
+def run_llamacpp(args, files, prompt_ids) -> dict[str, dict]:
+    drafts = [None, "ngram", *(d for d in ("small", "eagle3") if d in files)]
+    runs: list[EngineRun] = []
+    work = Path(args.work)
+    try:
+        for target in args.targets:
+            for draft in drafts:
+                name = f"{target}:{draft or 'alone'}"
+                log = work / f"server-{name.replace(':', '-')}.log"
+                server = llamacpp.Server(files[target], server_args(draft, files, args.k), args.threads, log)
+                runs.append(EngineRun(name, server.__enter__(), log))
+        for run in runs:  # untimed warm-up
+            run.complete(prompt_ids[0], min(32, args.max_new_tokens), timed=False)
+        for i, ids in enumerate(prompt_ids):
+            for run in runs:
+                run.complete(ids, args.max_new_tokens)
+            print(f"llama.cpp: prompt {i + 1}/{len(prompt_ids)}", flush=True)
+    finally:
+        for run in runs:
+            run.server.__exit__(None, None, None)
+    rows = {}
+    for target in args.targets:
+        alone = next(r for r in runs if r.name == f"{target}:alone")
+        rows |= {r.name: r.summary(alone) for r in runs if r.name.startswith(f"{target}:")}
+    return rows, {r.name: r.outputs for r in runs}
+
+
+def run_draftsmith(args, prompts) -> tuple[dict[str, dict], list[list[int]]]:
+    target = load_target(TARGET, device="cpu", dtype="float32")
+    specs = [("eagle3", args.head), ("small", args.small), ("ngram", "ngram")]
+    drafts = [(name, build_drafter(str(locate_checkpoint(s).draft_dir) if name != "ngram" else s, target))
+              for name, s in specs if s]  # fmt: skip
+    pack_for_decoding(target.model, *(d for _, d in drafts))
+    result = evaluate(target, drafts, prompts, k=args.k, max_new_tokens=args.max_new_tokens, warmup=1)
+    base = result.baseline.total.timing.tokens_per_s
+    rows = {"draftsmith:alone": {"tokens_per_s": base, "tokens": result.baseline.total.timing.new_tokens}}
+    for d in result.drafts:
+        a, t = d.total.acceptance, d.total.timing
+        rows[f"draftsmith:{d.name}"] = {
+            "tokens": t.new_tokens, "seconds": t.seconds, "tokens_per_s": t.tokens_per_s, "tau": a.tau,
+            "alpha": a.alpha, "per_position": a.per_position, "speedup": t.tokens_per_s / base,
+            "exact_match": d.exact_match,
+        }  # fmt: skip
+    return rows, [o[0] for o in result.baseline.outputs], hardware_description(target.device, target.dtype)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """How far two engines' greedy outputs agree: prompts identical, mean tokens before the first difference."""
+    first = [
+        next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q))) for p, q in zip(a, b)
+    ]
+    return {
+        "identical": sum(p == q for p, q in zip(a, b)),
+        "prompts": len(a),
+        "mean_common_prefix": sum(first) / len(first),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head", help="EAGLE-3 head: run or draft directory (trained for smollm2-135m-instruct)")
+    p.add_argument("--small", help="distilled small draft: run or draft directory")
+    p.add_argument("--prompts", default="../shared/data/dev/prompts.jsonl")
+    p.add_argument("--limit", type=int, default=12)
+    p.add_argument("--order", default="round-robin")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
+    p.add_argument("--gguf-dtype", default="f16", choices=["f32", "f16", "q8_0"])
+    p.add_argument("--targets", default="q4_1,f32", help="llama.cpp target GGUFs: q4_1 (bundled), f32")
+    p.add_argument("--work", default="runs/llamacpp", help="folder for the exported GGUFs and server logs")
+    p.add_argument("--out", default="bench/results/llamacpp_engine.json")
+    args = p.parse_args()
+    args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    llamacpp.tool("llama-server")  # a clear error naming the install command when it is not built
+
+    prompts = [
+        dataclasses.replace(q, turns=q.turns[:1])
+        for q in load_prompts(args.prompts, args.limit, None, args.order)
+    ]
+    files = exports(args)
+    ds_rows, ds_outputs, hardware = run_draftsmith(args, prompts)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(TARGET)[0])
+    prompt_ids = [render(tokenizer, [{"role": "user", "content": q.turns[0]}]).tolist() for q in prompts]
+    lc_rows, lc_outputs = run_llamacpp(args, files, prompt_ids)
+    rows = {**ds_rows, **lc_rows}
+
+    def fmt(x, spec):
+        return "" if x is None else format(x, spec)
+
+    print(f"\n{'method':22s} {'tok/s':>7s} {'τ':>5s} {'α':>5s} {'speedup':>8s}  output = its target alone's")
+    for name, r in rows.items():
+        print(f"{name:22s} {r['tokens_per_s']:7.1f} {fmt(r.get('tau'), '5.2f'):>5s} {fmt(r.get('alpha'), '5.2f'):>5s} "
+              f"{fmt(r.get('speedup'), '7.2f'):>7s}x  {r.get('exact_match', '')}")  # fmt: skip
+    agree = {t: agreement(lc_outputs[f"{t}:alone"], ds_outputs) for t in args.targets}
+    for t, a in agree.items():
+        print(f"llama.cpp {t} target alone vs draftsmith float32 target alone: {a['identical']}/{a['prompts']} "
+              f"outputs identical, {a['mean_common_prefix']:.1f} tokens in common on average")  # fmt: skip
+    write_json(args.out, {
+        "target": TARGET, "settings": vars(args) | {"num_prompts": len(prompts), "greedy": True},
+        "hardware": hardware, "date": time.strftime("%Y-%m-%d"), "llamacpp": f"llama-cpp-python {llamacpp.LLAMACPP_PY_VERSION} sdist",
+        "methods": rows, "target_alone_agreement": agree,
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
