@@ -296,3 +296,27 @@ def test_the_published_folder_names_files_not_where_they_lay_on_this_disk(evalua
     assert f"prompts.jsonl (sha256 {digest})" in (out / "README.md").read_text()
     assert "org/chat-data" in (out / "train_config.yaml").read_text()  # a Hub id stays as it is
     assert json.loads((out / "eval_report.json").read_text())["drafts"][0]["name"] == "me/x"
+
+
+@pytest.mark.parametrize("ckpt", ["run", "small"])
+def test_the_cards_python_snippets_run(evaluated, ckpt, monkeypatch):
+    """The card's Python is code that works: run with the repo id and base model pointing at local folders."""
+    import re
+
+    assert publish(evaluated, ckpt, "--dry-run") == 0
+    body = (evaluated / f"pub-{ckpt}" / "README.md").read_text()
+    snippets = re.findall(r"```python\n(.*?)```", body, flags=re.S)
+    assert snippets
+    monkeypatch.chdir(evaluated)
+    for code in snippets:
+        code = code.replace("me/tiny-draft", str(evaluated / f"pub-{ckpt}")).replace(
+            "org/tiny-target", "target"
+        )
+        namespace: dict = {}
+        exec(compile(code, f"README.md of {ckpt}", "exec"), namespace)
+        target = namespace["target"]
+        if ckpt == "small":  # assisted generation returned the target's own greedy tokens
+            plain = target.generate(**namespace["inputs"], max_new_tokens=128, do_sample=False)
+            assert torch.equal(namespace["out"], plain)
+        else:
+            assert namespace["out"].tokens == generate(target, namespace["prompt"], None, 0, 128).tokens
