@@ -217,6 +217,8 @@ def generate_batch(
         raise ValueError("every prompt needs at least one token")
     if k < 0 or max_new_tokens < 1:
         raise ValueError(f"need k >= 0 and max_new_tokens >= 1, got k={k}, max_new_tokens={max_new_tokens}")
+    for p in prompts:
+        target.check_fits(p.numel(), max_new_tokens)
     start = time.perf_counter()
     draft = _batched_drafter(target, drafter, len(prompts))
     lm = BatchedLM(target.model, len(prompts), who=f"target {target.name}")

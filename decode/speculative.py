@@ -99,6 +99,7 @@ def generate(
         k, policy = 0, None
     device = target.device
     prompt = prompt.to(device).view(-1)
+    target.check_fits(prompt.shape[0], max_new_tokens)
     target.reset()
     target.set_capture(drafter.capture_layers if drafter is not None else ())
 

@@ -256,6 +256,29 @@ class Target:
     def fingerprint(self) -> str:
         return tokenizer_fingerprint(self.tokenizer)
 
+    @property
+    def context_length(self) -> int | None:
+        """Positions the target was built for (``max_position_embeddings``); None where the config is silent."""
+        n = getattr(self.config, "max_position_embeddings", None)
+        return int(n) if n else None
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Refuse a generation that would run past the target's context.
+
+        The decoders never draft past ``max_new_tokens`` (a chain's k and a tree's depth are cut to the
+        budget, and a tree's siblings share their depth's position), so positions stay below
+        ``prompt_len + max_new_tokens``; that is what must fit.
+        """
+        ctx = self.context_length
+        if ctx is not None and prompt_len + max_new_tokens > ctx:
+            raise ValueError(
+                f"a prompt of {prompt_len} tokens + {max_new_tokens} new tokens needs {prompt_len + max_new_tokens} "
+                f"positions, more than the {ctx} that {self.name} was built for (max_position_embeddings): τ and "
+                "speed past them measure positions the model never saw. Shorten the prompt or lower "
+                "--max-new-tokens; `draftsmith eval --truncate-prompts` keeps a prompt's last tokens instead, "
+                "and says so in the report."
+            )
+
     def record(self) -> dict:
         """What a draft config stores about the target it was trained for."""
         return {
@@ -379,8 +402,20 @@ def rollback_cache(cache: DynamicCache | StaticCache | None, length: int) -> Non
 
 
 def load_target(
-    spec: str, device: str = "auto", dtype: str = "float32", device_map: str | None = None
+    spec: str,
+    device: str = "auto",
+    dtype: str = "float32",
+    device_map: str | None = None,
+    chat_template: str | None = None,
 ) -> Target:
-    """A frozen target; ``device_map`` as in ``load_causal_lm`` (for targets too large for host memory)."""
+    """A frozen target; ``device_map`` as in ``load_causal_lm`` (for targets too large for host memory).
+
+    ``chat_template``: a Jinja file that replaces (or supplies) the tokenizer's chat template; it is part
+    of the tokenizer fingerprint, so drafts trained with it are used with it.
+    """
+    if chat_template is not None and not Path(chat_template).is_file():
+        raise FileNotFoundError(f"chat template file {chat_template} does not exist (a Jinja template)")
     model, tokenizer, name = load_causal_lm(spec, device, dtype, device_map)
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
     return Target(model, tokenizer, name)

@@ -154,6 +154,7 @@ def generate_tree(
         drafter.propose_tree(prompt, tree, sampling, generator)  # raises the drafter's own clear error
     device = target.device
     prompt = prompt.to(device).view(-1)
+    target.check_fits(prompt.shape[0], max_new_tokens)
     target.reset()
     target.set_capture(drafter.capture_layers)
 

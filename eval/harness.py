@@ -46,6 +46,8 @@ class MethodResult:
     """Greedy only: every output equals the baseline's token for token (None when sampling)."""
     category_exact: dict[str, bool | None] = field(default_factory=dict)
     mismatched_prompts: list[str] = field(default_factory=list)
+    truncated: int = 0
+    """Generations whose prompt did not fit the target's context and lost its first tokens (--truncate-prompts)."""
     chosen_k: Counter[int] = field(default_factory=Counter)
     """``k = "auto"`` only: verify steps per k the cost model chose (0 = a plain decoding step)."""
 
@@ -74,11 +76,14 @@ def run_prompt(
     seed: int,
     tree: TreeSpec | TreeBudget | None = None,
     chosen_k: Counter[int] | None = None,
+    truncated: list[int] | None = None,
 ) -> tuple[list[list[int]], RunStats]:
     """Generate an answer to every turn of ``prompt``; turn i+1 sees the method's own answer to turn i.
 
     With ``tree`` a drafter proposes token trees of that shape instead of chains of k tokens.
-    ``chosen_k`` (optional) counts the k (or tree budget) used at each verify step.
+    ``chosen_k`` (optional) counts the k (or tree budget) used at each verify step. With ``truncated``
+    (a one-item counter), a rendered turn that does not fit the target's context keeps its last tokens
+    and is counted; without it, such a turn is refused (``Target.check_fits``).
     """
     generator = torch.Generator(device=target.device).manual_seed(seed)
     conversation: list[dict[str, str]] = []
@@ -87,6 +92,9 @@ def run_prompt(
     for turn in prompt.turns:
         conversation.append({"role": "user", "content": turn})
         ids = render(target.tokenizer, conversation)
+        room = (target.context_length or 0) - max_new_tokens
+        if truncated is not None and target.context_length and ids.shape[0] > room:
+            ids, truncated[0] = ids[-max(room, 1) :], truncated[0] + 1
         result = _generate(target, ids, drafter, k, tree, max_new_tokens, sampling, generator)
         outputs.append(result.tokens)
         stats = stats + RunStats.from_result(result)
@@ -135,6 +143,30 @@ def static_cache_length(
     return longest + k_max + 1
 
 
+def check_context(target: Target, prompts: Sequence[EvalPrompt], max_new_tokens: int) -> None:
+    """Refuse, before anything runs, prompts whose conversation can need more positions than the target
+    has: each turn rendered alone plus its answer (the bound ``static_cache_length`` uses)."""
+    ctx = target.context_length
+    if ctx is None:
+        return
+    too_long = []
+    for prompt in prompts:
+        turns = [len(render(target.tokenizer, [{"role": "user", "content": t}])) for t in prompt.turns]
+        need = (
+            turns[0] + max_new_tokens if len(turns) == 1 else sum(turns) + len(turns) * (max_new_tokens + 8)
+        )
+        if need > ctx:
+            too_long.append(f"{prompt.id} (up to {need})")
+    if too_long:
+        shown = ", ".join(too_long[:5]) + (f" and {len(too_long) - 5} more" if len(too_long) > 5 else "")
+        raise ValueError(
+            f"{len(too_long)} prompt(s) can need more positions than the {ctx} that {target.name} was built for "
+            f"(max_position_embeddings), with {max_new_tokens} new tokens per turn: {shown}. Nothing was run. "
+            "Lower --max-new-tokens, leave those prompts out (--limit, --categories), or pass --truncate-prompts "
+            "to keep the last tokens of a prompt that does not fit (counted in the report)."
+        )
+
+
 def _short(name: str) -> str:
     return name.rstrip("/").rsplit("/", 1)[-1][:24]
 
@@ -151,6 +183,7 @@ def evaluate(
     progress: bool | None = None,
     tree: TreeSpec | TreeBudget | None = None,
     k_max: int = 8,
+    truncate_prompts: bool = False,
 ) -> EvalResult:
     """Run the target alone and every ``(name, drafter)`` over ``prompts``; compare outputs when greedy.
 
@@ -159,7 +192,9 @@ def evaluate(
     ``k="auto"``: each drafter gets one cost model (``decode/cost_model.py``, k in 0..``k_max``) that
     learns from a fresh start over the timed prompts and keeps what it learned from prompt to prompt;
     the warm-up runs on throwaway models. A ``TreeBudget`` as ``tree`` works the same way: each drafter
-    gets its own copy, which picks the tree's node budget per step.
+    gets its own copy, which picks the tree's node budget per step. A prompt that does not fit the
+    target's context is refused before anything runs (``check_context``), unless ``truncate_prompts``:
+    then it keeps its last tokens, counted in each method's ``truncated``.
     """
     sampling = sampling if sampling is not None else Sampling()
     if not prompts:
@@ -175,6 +210,8 @@ def evaluate(
                 f"--tree asked for, but draft(s) {', '.join(chain_only)} draft chains only; "
                 "evaluate them in a separate run without --tree"
             )
+    if not truncate_prompts:
+        check_context(target, prompts, max_new_tokens)
     methods: list[tuple[str, Drafter | None]] = [(BASELINE, None), *drafts]
     results = [MethodResult(name) for name, _ in methods]
     warm_up(target, methods, prompts[: max(warmup, 0)], k, max_new_tokens, sampling, seed, tree)
@@ -186,10 +223,12 @@ def evaluate(
         for (_, drafter), result, policy, shape in zip(methods, results, policies, trees):
             adaptive = k == "auto" if tree is None else isinstance(tree, TreeBudget)
             chosen = result.chosen_k if adaptive and drafter is not None else None
+            cut = [0] if truncate_prompts else None
             outputs, stats = run_prompt(
-                target, drafter, prompt, policy, max_new_tokens, sampling, seed, shape, chosen
+                target, drafter, prompt, policy, max_new_tokens, sampling, seed, shape, chosen, cut
             )
             result.record(prompt.category, stats, outputs)
+            result.truncated += cut[0] if cut else 0
         if drafts:
             bar.set_postfix_str(
                 " ".join(f"{_short(r.name)} τ={r.total.acceptance.tau:.2f}" for r in results[1:])

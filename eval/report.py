@@ -117,6 +117,7 @@ def build_report(result: EvalResult, target: str, settings: dict, hardware: str)
         "categories": result.categories,
         "baseline": baseline,
         "drafts": [_draft_entry(d, base, result.categories) for d in result.drafts],
+        "truncated_generations": base.truncated,
     }
 
 
@@ -181,6 +182,13 @@ def format_markdown(report: dict) -> str:
         f"- k = {s.get('k')}, max new tokens = {s.get('max_new_tokens')}, temperature = {s.get('temperature')}, "
         f"top-k = {s.get('top_k')}, top-p = {s.get('top_p')}, seed = {s.get('seed')}",
         f"- hardware: {report['hardware']}",
+    ]
+    if report.get("truncated_generations"):
+        out.append(
+            f"- **{report['truncated_generations']} generation(s) had a prompt longer than the target's context "
+            "and kept only its last tokens** (--truncate-prompts)"
+        )
+    out += [
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "|".join(["---", "---"] + ["---:"] * (len(HEADER) - 2)) + "|",
