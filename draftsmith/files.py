@@ -9,6 +9,8 @@ another user). This module imports nothing else of draftsmith: every layer may u
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import tempfile
@@ -101,6 +103,59 @@ def replace_dir(directory: str | Path, fill: Callable[[Path], object]) -> Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return directory
+
+
+def check_writable(directory: str | Path, what: str) -> Path:
+    """Prove that ``directory`` can be written (a file made and removed in it, or in the nearest folder
+    above it that exists, since it is created later) before any work starts; a clear error otherwise."""
+    directory = Path(directory)
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(f"{probe} is a file")
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".draftsmith-write-check-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        raise PermissionError(
+            f"{what} {directory} cannot be written ({err.strerror or err}); nothing was run. Pass a folder you "
+            "can write to."
+        ) from err
+    return directory
+
+
+def json_text(value) -> str:
+    """``value`` as JSON that every parser reads: NaN and infinities (an undefined rate) become null."""
+
+    def finite(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+
+    return json.dumps(finite(value), indent=2, allow_nan=False, ensure_ascii=False)
+
+
+def json_error(err, text: str) -> str:
+    """A ``json.JSONDecodeError`` as a whole sentence: what is wrong, at which line and column, with the
+    text around it (Python's own message stops mid-sentence: "Invalid control character at")."""
+    msg = err.msg.rstrip(": ")
+    if msg.startswith("Unterminated string"):
+        msg = "a string that starts here never ends (a missing closing quote, or the line was cut short)"
+    elif msg.startswith("Invalid control character"):
+        msg = "a raw control character (a tab or newline) inside a string; write it as \\t or \\n"
+    lines = text.splitlines() or [""]
+    line = lines[min(err.lineno, len(lines)) - 1]
+    lo = max(err.colno - 1 - 30, 0)
+    snippet = line[lo : err.colno - 1 + 30]
+    return (
+        f"{msg} at line {err.lineno}, column {err.colno}:\n    {snippet}\n    {' ' * (err.colno - 1 - lo)}^"
+    )
 
 
 def remove_stale(parent: str | Path, name: str) -> list[Path]:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.files import json_error
+
 DEFAULT_CATEGORY = "default"
 ORDERS = ("file", "round-robin")
 ACCEPTED_FIELDS = (
@@ -76,11 +78,13 @@ def read_prompts(path: str | Path) -> list[EvalPrompt]:
                 continue
             where = f"{path}:{lineno}"
             try:
-                record = json.loads(line)
+                record = json.loads(
+                    line.rstrip("\r\n")
+                )  # a line cut short: "never ends", not "control character"
             except json.JSONDecodeError as err:
+                what = json_error(err, line).replace("at line 1, column", "at column", 1)
                 raise ValueError(
-                    f"{where}: malformed JSON ({err.msg} at column {err.colno}); "
-                    "each line must hold one complete JSON object"
+                    f"{where}: malformed JSON (each line holds one JSON object): {what}"
                 ) from err
             prompts.append(_parse_record(record, where, lineno))
     if not prompts:

@@ -216,7 +216,9 @@ def test_truncation_keeps_mask_aligned():
 
 
 def test_tokenizer_without_chat_template_is_an_error():
-    with pytest.raises(ValueError, match="no chat template.*set one"):
+    with pytest.raises(
+        ValueError, match="no chat template.*--target.chat_template=FILE.*--chat-template FILE"
+    ):
         render([Q1, A1], tiny_tokenizer(chat_template=None), 100)
 
 

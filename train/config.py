@@ -41,6 +41,9 @@ class TargetConfig:
     """Load the weights straight onto their device(s) instead of materialising them in host memory first:
     null = load, then move to ``device``; "auto" = spread one copy over all visible GPUs (accelerate;
     single process only); "device" = straight onto ``device`` (each rank its own GPU)."""
+    chat_template: str | None = None
+    """A Jinja file with the chat template to render conversations with, for a target whose tokenizer has
+    none (a base model) or another; evaluate the draft with the same file (eval --chat-template)."""
 
 
 @dataclass
@@ -299,7 +302,14 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
                 raise ValueError(f"override --{key} has no value: write --{key}=VALUE")
             raw, i = args[i + 1], i + 1
         i += 1
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            raise ValueError(
+                f"override --{key}={raw}: the value is not valid YAML ({_yaml_problem(err)}). Values are read as "
+                f"YAML: close lists and mappings (--{key}=[a.jsonl, b.jsonl]) and quote text with : # [ or {{ in "
+                f"it (--{key}='\"a: b\"')"
+            ) from err
         parts = key.split(".")
         node = nested
         for part in parts[:-1]:
@@ -346,8 +356,28 @@ STRATEGIES = (
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "presets"
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """What PyYAML found wrong, without its pointer to the ``"<unicode string>"`` it parsed."""
+    parts = [getattr(err, "context", None), getattr(err, "problem", None)]
+    return "; ".join(p for p in parts if p) or str(err).splitlines()[0]
+
+
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        line = (
+            path.read_text().splitlines()[mark.line]
+            if mark is not None and mark.line < len(path.read_text().splitlines())
+            else ""
+        )
+        raise ValueError(
+            f"{where}: the {what} is not valid YAML ({_yaml_problem(err)})"
+            + (f"\n    {line}\n    {' ' * mark.column}^" if line else "")
+            + "\nFix that line: keys are `key: value` at a consistent indent; close every [ and {; quote text with : or # in it."
+        ) from err
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a {what} is a mapping of sections (target:, trainer:, ...), got {data!r}")
     return data

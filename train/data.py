@@ -18,6 +18,7 @@ import datasets
 import torch
 
 from draftsmith.decode.target import tokenizer_fingerprint
+from draftsmith.files import json_error
 from draftsmith.train.objective import Batch
 
 logger = logging.getLogger(__name__)
@@ -62,10 +63,11 @@ def read_records(path: str | Path) -> Iterator[tuple[int, int, object]]:
             )
         f.seek(0)
         if head.startswith("["):
+            text = f.read()
             try:
-                records = json.load(f)
+                records = json.loads(text)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: malformed JSON at line {err.lineno}: {err.msg}") from err
+                raise ValueError(f"{path}: malformed JSON: {json_error(err, text)}") from err
             if not records:
                 raise ValueError(f"{path} holds an empty JSON list; it has no conversations")
             for index, record in enumerate(records):
@@ -76,9 +78,14 @@ def read_records(path: str | Path) -> Iterator[tuple[int, int, object]]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(
+                    line.rstrip("\r\n")
+                )  # a line cut short: "never ends", not "control character"
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: malformed JSON on line {lineno}: {err.msg}") from err
+                what = json_error(err, line).replace("at line 1, column", "at column", 1)
+                raise ValueError(
+                    f"{path}: malformed JSON on line {lineno} (one conversation a line): {what}"
+                ) from err
             yield index, lineno, record
             index += 1
 
@@ -213,8 +220,10 @@ def render(messages: Sequence[Message], tokenizer, max_length: int) -> dict[str,
 def check_chat_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            f"tokenizer {_name(tokenizer)} has no chat template; pass a tokenizer with a chat template "
-            "(an instruct/chat model's) or set one with tokenizer.chat_template = '...'"
+            f"tokenizer {_name(tokenizer)} has no chat template, so conversations cannot be rendered. Use an "
+            "instruct/chat model, or give a template as a Jinja file: --target.chat_template=FILE for "
+            "`draftsmith train`, --chat-template FILE for `draftsmith eval` and `draftsmith data` (in Python: "
+            "tokenizer.chat_template = open(FILE).read())"
         )
 
 

@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.decode.target import eos_token_ids
+from draftsmith.files import json_error
 from draftsmith.train.data import Message, chat_text, check_chat_template, iter_conversations
 
 logger = logging.getLogger(__name__)
@@ -114,9 +115,10 @@ def record_ids(path: str | Path, text: str, key: str, fix: str) -> set[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
+            what = json_error(err, line).replace("at line 1, column", "at column", 1)
             raise ValueError(
-                f"{path}: line {lineno} is not valid JSON ({err.msg}); it was not written by draftsmith or is "
-                f"damaged — fix or delete that line, {fix}"
+                f"{path}: line {lineno} is not valid JSON, so it was not written by draftsmith or is damaged: {what}\n"
+                f"Fix or delete that line, {fix}"
             ) from err
         if not isinstance(record, dict) or key not in record:
             raise ValueError(f'{path}: line {lineno} has no "{key}"; fix or delete that line, {fix}')
