@@ -20,6 +20,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -96,6 +97,9 @@ class Drafter(ABC):
         self.commit(len(accepted), features)
 
 
+RUN_DRAFT = "draft"
+"""Where a ``draftsmith train`` run directory keeps its draft: ``--draft RUN`` reads ``RUN/draft``."""
+
 DrafterFactory = Callable[["Target", str], Drafter]
 _REGISTRY: dict[str, DrafterFactory] = {}
 
@@ -129,6 +133,14 @@ def build_drafter(spec: str, target: Target) -> Drafter:
     from draftsmith.hub import resolve_pretrained
 
     spec = resolve_pretrained(spec, what="draft")  # a Hub id becomes its local snapshot (cache first)
+    run_draft = Path(spec) / RUN_DRAFT
+    if not (Path(spec) / "config.json").is_file() and (run_draft / "config.json").is_file():
+        spec = str(run_draft)  # a `draftsmith train` run directory: its draft
+    elif Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--draft {spec} holds no draft: expected config.json in it (a draft directory) or draft/config.json "
+            "(a `draftsmith train` run directory; it appears once the run has validated)"
+        )
     kind = kind_of_checkpoint(spec)
     if kind not in _REGISTRY:
         raise ValueError(

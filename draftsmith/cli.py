@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.command is None else 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError) as err:
         print(f"draftsmith {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

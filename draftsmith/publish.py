@@ -209,10 +209,30 @@ def upload_files(folder: Path) -> list[Path]:
     return sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file())
 
 
+NETWORK_ERRORS = (
+    "ConnectError",
+    "ConnectTimeout",
+    "NetworkError",
+    "TransportError",
+    "ConnectionError",
+    "Timeout",
+)
+"""Exception class names (anywhere in the class's MRO) of "the host could not be reached": the HTTP
+client under huggingface_hub (httpx, httpx2, requests) varies by version, its error names do not."""
+
+
+def is_network_error(err: BaseException) -> bool:
+    return isinstance(err, ConnectionError) or any(
+        any(name in cls.__name__ for name in NETWORK_ERRORS) for cls in type(err).__mro__
+    )
+
+
 def push_folder(
     folder: Path, repo_id: str, private: bool = False, revision: str | None = None, message: str | None = None
 ) -> str:
     """Create the repo (and branch) if needed and upload every file of ``folder`` in one commit; return its URL."""
+    from urllib.parse import urlparse
+
     from huggingface_hub import CommitOperationAdd, HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -235,10 +255,19 @@ def push_folder(
             commit_message=message or "Upload draft with draftsmith",
             revision=revision,
         )
-    except (HfHubHTTPError, OSError) as err:
+    except Exception as err:  # noqa: BLE001 (every failure of the push becomes one line; none is swallowed)
         first = str(err).splitlines()[0] if str(err) else ""
+        if is_network_error(err):
+            host = urlparse(api.endpoint).netloc or api.endpoint
+            raise ValueError(
+                f"could not reach {host} ({type(err).__name__}: {first}); nothing was published. The folder "
+                f"{folder} is ready: check the network (or HF_ENDPOINT) and run the same command again."
+            ) from None
+        if not isinstance(err, (HfHubHTTPError, OSError)):
+            raise
         raise ValueError(
-            f"could not push to {repo_id} on the Hugging Face Hub ({type(err).__name__}: {first})"
+            f"could not push to {repo_id} on the Hugging Face Hub ({type(err).__name__}: {first}); nothing was "
+            f"published, and the folder {folder} is ready to push again"
         ) from err
     return getattr(info, "commit_url", None) or f"https://huggingface.co/{repo_id}"
 

@@ -161,6 +161,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="untimed warm-up: a short generation per method on each of the first N prompts (default 1; 0 = none)",
     )
     p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help="a Jinja chat template to render prompts with (a target without one, or the file a draft was "
+        "trained with: --target.chat_template)",
+    )
+    p.add_argument(
+        "--truncate-prompts",
+        action="store_true",
+        help="a prompt that does not fit the target's context (with --max-new-tokens) keeps its last tokens, "
+        "and the report counts such generations; without it such prompts are refused before anything runs",
+    )
+    p.add_argument(
         "--out", required=True, metavar="DIR", help="folder for report.json and report.md (created)"
     )
     p.set_defaults(func=run)
@@ -199,6 +212,9 @@ def _check(args: argparse.Namespace) -> list[str] | None:
         raise ValueError(f"--draft {', '.join(repeated)} given more than once; name each draft once")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} exists and is not a directory; pass a directory for the reports")
+    from draftsmith import files
+
+    files.check_writable(args.out, "--out")  # before any model loads: the report is written last
     if args.categories is None:
         return None
     categories = [c.strip() for c in args.categories.split(",") if c.strip()]
@@ -223,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(
         args.prompts, args.limit, categories, args.order
     )  # fail fast, before loading models
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    target = load_target(args.target, device=args.device, dtype=args.dtype, chat_template=args.chat_template)
     drafts = [(spec, build_drafter(spec, target)) for spec in args.drafts]
     if args.draft_weights == "int8":
         why = int8_unavailable(target.device)
@@ -252,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         tree=TreeSpec.parse_policy(args.tree) if args.tree is not None else None,
         k_max=args.k_max,
+        truncate_prompts=args.truncate_prompts,
     )
     settings = {key: value for key, value in vars(args).items() if key not in ("func", "command")}
     settings["num_prompts"] = len(prompts)

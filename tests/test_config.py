@@ -137,17 +137,21 @@ def test_objective_options_are_checked():
     assert objective.capture_layers and objective.teacher_topk > 0
 
 
-@pytest.mark.parametrize("resume_at", [1, 2, 4])
-def test_cli_passes_config_and_resume_to_the_loop(monkeypatch, resume_at):
+@pytest.mark.parametrize("flag", ["--resume", "--overwrite", "--force-resume"])
+@pytest.mark.parametrize("at", [1, 2, 4])
+def test_cli_passes_config_and_flags_to_the_loop(monkeypatch, at, flag):
     import draftsmith.train.loop as loop
 
     calls = []
-    monkeypatch.setattr(loop, "train", lambda config, resume: calls.append((config, resume)))
+    monkeypatch.setattr(loop, "train", lambda config, **flags: calls.append((config, flags)))
     argv = ["train", str(CONFIGS[0]), "--trainer.max_steps=3"]
-    argv.insert(resume_at, "--resume")
+    argv.insert(at, flag)
     assert main(argv) == 0
-    ((config, resume),) = calls
-    assert resume is True and config.trainer.max_steps == 3
+    ((config, flags),) = calls
+    assert config.trainer.max_steps == 3
+    assert flags == {
+        name: f"--{name.replace('_', '-')}" == flag for name in ("resume", "overwrite", "force_resume")
+    }
 
 
 PRESETS = sorted((Path(__file__).resolve().parents[1] / "configs" / "presets").glob("*.yaml"))
@@ -199,13 +203,13 @@ def test_cli_passes_presets(monkeypatch):
     import draftsmith.train.loop as loop
 
     calls = []
-    monkeypatch.setattr(loop, "train", lambda config, resume: calls.append((config, resume)))
+    monkeypatch.setattr(loop, "train", lambda config, **flags: calls.append((config, flags)))
     assert (
         main(
             ["train", str(CONFIGS[0]), "--preset", "fsdp", "--trainer.devices=4", "--preset=multinode_slurm"]
         )
         == 0
     )
-    ((config, resume),) = calls
+    ((config, flags),) = calls
     assert config.trainer.strategy == "fsdp" and config.trainer.devices == 4 and config.trainer.num_nodes == 2
-    assert resume is False
+    assert flags["resume"] is False

@@ -320,3 +320,13 @@ def test_the_cards_python_snippets_run(evaluated, ckpt, monkeypatch):
             assert torch.equal(namespace["out"], plain)
         else:
             assert namespace["out"].tokens == generate(target, namespace["prompt"], None, 0, 128).tokens
+
+
+def test_publish_without_a_network_says_so_in_one_line_and_keeps_the_folder(evaluated, monkeypatch, capsys):
+    """A real connection failure (a closed local port as the Hub), not a mocked exception."""
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    assert publish(evaluated, "run") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "could not reach 127.0.0.1:9" in err and "nothing was published" in err and "again" in err
+    assert (evaluated / "pub-run" / "README.md").is_file()  # the folder stays ready

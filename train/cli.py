@@ -41,6 +41,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue from <output.dir>/checkpoints/last.ckpt"
     )
     parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a trained draft already in <output.dir>/draft (without it, such a run is refused)",
+    )
+    parser.add_argument(
+        "--force-resume",
+        action="store_true",
+        help="--resume although the recipe changed in a key other than "
+        "trainer.max_steps/max_time/log_every/ckpt_every (exact resume is then not promised; the change is "
+        "recorded in <output.dir>/recipe_history.jsonl)",
+    )
+    parser.add_argument(
         "--preset",
         action="append",
         default=[],
@@ -52,14 +64,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def split_flags(args: list[str]) -> tuple[list[str], bool, list[str]]:
-    """(overrides, resume, presets) from the arguments after the recipe, where argparse leaves them."""
-    overrides, resume, presets = [], False, []
+FLAGS = ("--resume", "--overwrite", "--force-resume")
+
+
+def split_flags(args: list[str]) -> tuple[list[str], set[str], list[str]]:
+    """(overrides, flags set, presets) from the arguments after the recipe, where argparse leaves them."""
+    overrides, flags, presets = [], set(), []
     i = 0
     while i < len(args):
         arg = args[i]
-        if arg == "--resume":
-            resume = True
+        if arg in FLAGS:
+            flags.add(arg)
         elif arg == "--preset":
             if i + 1 >= len(args):
                 raise ValueError("--preset needs a value: a name in configs/presets/ or a YAML file")
@@ -70,18 +85,22 @@ def split_flags(args: list[str]) -> tuple[list[str], bool, list[str]]:
         else:
             overrides.append(arg)
         i += 1
-    return overrides, resume, presets
+    return overrides, flags, presets
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides, resume, presets = split_flags(args.overrides)
+    overrides, flags, presets = split_flags(args.overrides)
     config = load_config(args.config, overrides, presets=[*args.preset, *presets])
-    resume = resume or args.resume
 
     from draftsmith.train.loop import train
 
     try:
-        train(config, resume=resume)
+        train(
+            config,
+            resume=args.resume or "--resume" in flags,
+            overwrite=args.overwrite or "--overwrite" in flags,
+            force_resume=args.force_resume or "--force-resume" in flags,
+        )
     except ImportError as err:  # an optional extra the config needs (DeepSpeed) is not installed
         print(f"draftsmith train: error: {err}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from draftsmith import files
 from draftsmith.decode.target import DTYPES
@@ -58,14 +59,26 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
         help="CPU float32: run the target's linear layers on prepacked oneDNN weights (default; "
         "decode/cpu_kernels.py) or PyTorch's stock kernels",
     )
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help="a Jinja chat template for a target without one (or to replace its own)",
+    )
 
 
 def load_writer(args: argparse.Namespace):
-    """(model, tokenizer, name) of the target named by ``add_target_options``' arguments."""
+    """(model, tokenizer, name) of the target named by ``add_target_options``' arguments; ``--out``'s folder
+    is checked for writing first, so a long generation never ends in a write error."""
     from draftsmith.decode.cpu_kernels import pack_linears
     from draftsmith.decode.target import load_causal_lm
 
+    files.check_writable(Path(args.out).parent, f"--out {args.out}: the folder")
+    if args.chat_template is not None and not Path(args.chat_template).is_file():
+        raise FileNotFoundError(f"--chat-template {args.chat_template} does not exist (a Jinja template)")
     model, tokenizer, name = load_causal_lm(args.target, args.device, args.dtype)
+    if args.chat_template is not None:
+        tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
     if args.cpu_kernels == "packed":
         pack_linears(model)  # a no-op off the CPU or outside float32
     return model, tokenizer, name

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
@@ -52,7 +53,8 @@ from draftsmith.train.distributed import (
 )
 from draftsmith.train.feature_cache import FeatureCache, build_feature_cache, collate_cached
 from draftsmith.train.objective import Batch, Objective, Teacher
-from draftsmith.train.registry import build_objective
+from draftsmith.train.progress import StepProgress
+from draftsmith.train.registry import build_objective, check_objective_options
 from draftsmith.train.resume import ExactResume
 from draftsmith.train.sampler import EvalSampler, ResumableDataLoader, ResumableSampler
 from draftsmith.train.teacher import compute_teacher
@@ -174,11 +176,11 @@ class DraftModule(L.LightningModule):
 
     def export(self, record: dict) -> Path:
         """Write the draft (save_pretrained) with the resolved config and its last validation, atomically."""
-        files = {
+        extra = {
             "train_config.yaml": yaml.safe_dump(to_dict(self.config), sort_keys=False),
-            "train_state.json": json.dumps(record, indent=2),
+            "train_state.json": files.json_text(record),
         }
-        return export_draft(self.objective, self.draft, self.output_dir / DRAFT_DIR, files)
+        return export_draft(self.objective, self.draft, self.output_dir / DRAFT_DIR, extra)
 
     # ---- optimisation
 
@@ -293,6 +295,9 @@ def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Traine
         LearningRateMonitor(logging_interval="step"),
         *overrides.pop("callbacks", []),
     ]
+    show_progress = overrides.pop("enable_progress_bar", True)
+    if show_progress:
+        callbacks.append(StepProgress())  # in place of Lightning's per-epoch bars
     kwargs = dict(
         max_steps=t.max_steps,
         num_nodes=t.num_nodes,
@@ -313,6 +318,7 @@ def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Traine
         plugins=[AtomicCheckpointIO()],
         num_sanity_val_steps=1,
         enable_model_summary=False,
+        enable_progress_bar=False,
     )
     if t.max_time is not None:
         kwargs["max_time"] = timedelta(minutes=t.max_time)
@@ -320,11 +326,43 @@ def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Traine
     return L.Trainer(**kwargs)
 
 
-def train(
-    config: TrainConfig, resume: bool = False, target: Target | None = None, **trainer_overrides
-) -> TrainResult:
-    """Run a whole training from a config: data, (offline cache), objective, fit, final validation, export."""
+RESUME_SAFE = ("trainer.max_steps", "trainer.max_time", "trainer.log_every", "trainer.ckpt_every",
+               "trainer.devices", "trainer.num_nodes", "trainer.strategy", "trainer.accelerator",
+               "trainer.num_workers", "target.device", "target.device_map")  # fmt: skip
+"""Recipe keys a resumed run may change without breaking exact resume: when it stops, logging, and where
+it runs (docs/TRAINING.md, "Another world size"; ``trainer.batch_size`` too while the global batch stays)."""
+RECIPE_HISTORY = "recipe_history.jsonl"
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and value and key != "options":
+            out |= flatten(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def recipe_changes(saved: dict, current: dict) -> dict[str, tuple]:
+    """``{dotted key: (saved, current)}`` where the run's recorded recipe and this one differ."""
+    a, b = flatten(saved), flatten(current)
+    return {
+        k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k != "output.dir"
+    }
+
+
+def global_batch(recipe: dict) -> int | None:
+    """Rows per optimizer step over all processes (None when the device count is not a number)."""
+    t = recipe.get("trainer") or {}
+    sizes = [t.get("batch_size"), t.get("devices", 1), t.get("num_nodes", 1), t.get("grad_accum", 1)]
+    return math.prod(sizes) if all(isinstance(n, int) for n in sizes) else None
+
+
+def preflight(config: TrainConfig, resume: bool, overwrite: bool, force_resume: bool) -> dict[str, tuple]:
+    """Check what can be checked before loading the target; return the recipe changes of a resume."""
     output_dir = Path(config.output.dir)
+    files.check_writable(output_dir, "output.dir")
     ckpt = last_checkpoint(output_dir)
     if resume and ckpt is None:
         raise FileNotFoundError(
@@ -335,6 +373,66 @@ def train(
             f"{output_dir} already holds a run ({ckpt}); pass --resume to continue it, "
             "or set --output.dir to a new directory"
         )
+    draft = output_dir / DRAFT_DIR
+    if not resume and draft.is_dir() and any(draft.iterdir()) and not overwrite:
+        raise ValueError(
+            f"{draft} holds a trained draft; a new run would replace it. Pass --overwrite to replace it, or "
+            "set --output.dir to a new directory"
+        )
+    d = config.data
+    paths = [d.regenerated] if d.regenerated else list(d.paths)
+    missing = [str(p) for p in paths if not Path(p).is_file()]
+    if not paths or missing:
+        raise FileNotFoundError(
+            f"data file(s) {', '.join(missing)} do not exist" if missing else "data.paths lists no files"
+        )
+    check_objective_options(config.draft.kind, config.draft.options)
+    if not resume or not (output_dir / "config.yaml").is_file():
+        return {}
+    saved = yaml.safe_load((output_dir / "config.yaml").read_text()) or {}
+    changes = recipe_changes(saved, to_dict(config))
+    unsafe = {k: v for k, v in changes.items() if k not in RESUME_SAFE}
+    if (
+        set(unsafe) == {"trainer.batch_size"}
+        and global_batch(saved) == global_batch(to_dict(config)) is not None
+    ):
+        unsafe = {}  # the same rows per step on another number of processes
+    if unsafe and not force_resume:
+        listed = "; ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in unsafe.items())
+        raise ValueError(
+            f"--resume with another recipe than the run's ({output_dir / 'config.yaml'}): {listed}. Exact resume "
+            "needs the same recipe (only when it stops, logging, and where it runs may change, and batch_size "
+            "with the global batch kept); drop the changes, start a new "
+            "--output.dir, or pass --force-resume to resume anyway (the change is kept in the run's "
+            f"{RECIPE_HISTORY})"
+        )
+    return changes
+
+
+def record_recipe_change(output_dir: Path, changes: dict[str, tuple], forced: bool) -> None:
+    """Append what a resume changed to the run's record (config.yaml then holds the new recipe)."""
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "forced": forced,
+             "changes": {k: {"was": old, "now": new} for k, (old, new) in changes.items()}}  # fmt: skip
+    path = output_dir / RECIPE_HISTORY
+    old = path.read_text() if path.exists() else ""
+    files.write_text(path, old + json.dumps(entry) + "\n")
+
+
+def train(
+    config: TrainConfig,
+    resume: bool = False,
+    target: Target | None = None,
+    overwrite: bool = False,
+    force_resume: bool = False,
+    **trainer_overrides,
+) -> TrainResult:
+    """Run a whole training from a config: data, (offline cache), objective, fit, final validation, export.
+
+    Everything that can be checked without the target is checked first (``preflight``), so a bad recipe
+    fails in a second and leaves nothing behind. ``overwrite`` replaces a finished draft in the output
+    folder; ``force_resume`` resumes although the recipe changed in a way that can break exact resume.
+    """
+    output_dir = Path(config.output.dir)
     check_strategy(config.trainer)
     resolved = resolve_auto_precision(config)
     if resolved != config:
@@ -344,15 +442,19 @@ def train(
             flush=True,
         )
     config = resolved
+    changes = preflight(config, resume, overwrite, force_resume)
+    ckpt = last_checkpoint(output_dir)
     rank, _, world_size = env_rank()  # known before Lightning starts the process group
     if rank == 0:
         remove_partial_checkpoints(output_dir)  # left by a run killed while writing one
+        files.remove_stale(output_dir, DRAFT_DIR)  # ... or while exporting the draft
     L.seed_everything(config.trainer.seed, workers=True, verbose=False)
     if target is None:
         tc = config.target
         target = load_target(
-            tc.spec, device=target_device(tc.device), dtype=tc.dtype, device_map=tc.device_map
-        )
+            tc.spec, device=target_device(tc.device), dtype=tc.dtype, device_map=tc.device_map,
+            chat_template=tc.chat_template,
+        )  # fmt: skip
     train_ds, heldout_ds = prepare_datasets(config, target.tokenizer)
     pad_id = pad_id_of(target.tokenizer)
 
@@ -361,13 +463,14 @@ def train(
         token_counts = load_file(str(counts_path))["token_counts"]
     else:
         token_counts = count_tokens(train_ds, target.vocab_size)
-        if rank == 0:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            save_file({"token_counts": token_counts}, str(counts_path))
-    if rank == 0:
-        files.write_text(output_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
-
     objective = build_objective(config.draft.kind, target, config.draft.options, token_counts)
+    if rank == 0:  # written once the recipe has built: a run that fails earlier leaves nothing behind
+        if not counts_path.exists() or not resume:
+            files.write_with(counts_path, lambda p: save_file({"token_counts": token_counts}, str(p)))
+        files.write_text(output_dir / "config.yaml", yaml.safe_dump(to_dict(config), sort_keys=False))
+        if changes:
+            record_recipe_change(output_dir, changes, force_resume)
+
     cache_dirs = None
     if config.mode == "offline" and objective.on_policy:
         raise ValueError(
@@ -394,7 +497,7 @@ def train(
     trainer.fit(module, train_loader, val_loader, ckpt_path=str(ckpt) if resume else None)
     if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
         trainer.validate(module, val_loader, verbose=False)  # final τ for the final weights (and export)
-    trainer.save_checkpoint(output_dir / CHECKPOINT_DIR / LAST)
+    trainer.save_checkpoint(output_dir / CHECKPOINT_DIR / LAST, weights_only=False)  # all of it, and quietly
     val = {k: v for k, v in module.val_history[-1].items() if k not in ("step", "histogram")}
     result = TrainResult(
         output_dir, output_dir / DRAFT_DIR, last_checkpoint(output_dir), trainer.global_step, val

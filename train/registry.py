@@ -30,6 +30,7 @@ ObjectiveFactory = Callable[["Target", dict[str, Any], "torch.Tensor | None"], "
 """``(target, draft.options, token_counts or None) -> Objective``."""
 
 _OBJECTIVES: dict[str, ObjectiveFactory] = {}
+_OPTION_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {}
 # the module that registers each kind with @register_objective, imported on first use so that
 # reading a config never imports torch
 _PROVIDERS: dict[str, str] = {
@@ -40,14 +41,33 @@ _PROVIDERS: dict[str, str] = {
 }
 
 
-def register_objective(kind: str) -> Callable[[ObjectiveFactory], ObjectiveFactory]:
-    """Decorator: make ``draft.kind: <kind>`` build its objective with this factory."""
+def register_objective(
+    kind: str, check: Callable[[dict[str, Any]], None] | None = None
+) -> Callable[[ObjectiveFactory], ObjectiveFactory]:
+    """Decorator: make ``draft.kind: <kind>`` build its objective with this factory. ``check(options)``
+    refuses bad ``draft.options`` without a target, so a run fails before it loads one."""
 
     def wrap(factory: ObjectiveFactory) -> ObjectiveFactory:
         _OBJECTIVES[kind] = factory
+        if check is not None:
+            _OPTION_CHECKS[kind] = check
         return factory
 
     return wrap
+
+
+def _provide(kind: str) -> None:
+    if kind not in _OBJECTIVES and kind in _PROVIDERS:
+        importlib.import_module(_PROVIDERS[kind])
+    if kind not in _OBJECTIVES:
+        raise unknown_key(kind, objective_kinds(), "draft.kind (no such draft kind)")
+
+
+def check_objective_options(kind: str, options: dict[str, Any]) -> None:
+    """The checks of ``draft.kind`` / ``draft.options`` that need no target (unknown kind or key, ...)."""
+    _provide(kind)
+    if kind in _OPTION_CHECKS:
+        _OPTION_CHECKS[kind](dict(options))
 
 
 def objective_kinds() -> list[str]:
@@ -56,10 +76,7 @@ def objective_kinds() -> list[str]:
 
 def build_objective(kind: str, target: Target, options: dict[str, Any], token_counts=None) -> Objective:
     """Build the objective for a draft kind (importing the module that provides it on first use)."""
-    if kind not in _OBJECTIVES and kind in _PROVIDERS:
-        importlib.import_module(_PROVIDERS[kind])
-    if kind not in _OBJECTIVES:
-        raise unknown_key(kind, objective_kinds(), "draft.kind (no such draft kind)")
+    _provide(kind)
     return _OBJECTIVES[kind](target, dict(options), token_counts)
 
 

@@ -37,7 +37,7 @@ from draftsmith.drafts import small_lm
 from draftsmith.train.data import collate
 from draftsmith.train.losses import LOSSES, TokenLoss, distillation_loss, teacher_labels, token_count
 from draftsmith.train.objective import Batch, Objective, Teacher
-from draftsmith.train.registry import register_objective
+from draftsmith.train.registry import register_objective, unknown_key
 
 INITS = ("target_layers", "config", "pretrained")
 DEFAULTS: dict[str, Any] = {
@@ -102,9 +102,7 @@ class DistillObjective(Objective):
     capture_layers = ()
 
     def __init__(self, target: Target, options: dict[str, Any] | None = None):
-        unknown = sorted(set(options or {}) - set(DEFAULTS))
-        if unknown:
-            raise ValueError(f"unknown distill option(s) {unknown}; valid options: {', '.join(DEFAULTS)}")
+        check_distill_options(options or {})
         opts = {**DEFAULTS, **(options or {})}
         if opts["init"] not in INITS:
             raise ValueError(f"distill option init={opts['init']!r}; choose one of {', '.join(INITS)}")
@@ -274,7 +272,13 @@ class DistillObjective(Objective):
         small_lm.save_draft(draft, self.target.tokenizer, self.target, directory, merge=self.merge_lora)
 
 
-@register_objective("distill")
+def check_distill_options(options: dict[str, Any]) -> None:
+    for key in options:
+        if key not in DEFAULTS:
+            raise unknown_key(f"draft.options.{key}", sorted(DEFAULTS), "draft.options of kind 'distill'")
+
+
+@register_objective("distill", check=check_distill_options)
 def _build_objective(target: Target, options: dict[str, Any], token_counts=None) -> DistillObjective:
     return DistillObjective(target, options)
 

@@ -337,13 +337,13 @@ class Eagle3Objective(EagleObjective):
         super().__init__(target, preset="eagle3", **options)
 
 
-@register_objective("eagle1")
+@register_objective("eagle1", check=lambda options: check_options(Eagle1Objective, "eagle1", options))
 def _build_eagle1(target, options: dict, token_counts=None) -> Eagle1Objective:
     check_options(Eagle1Objective, "eagle1", options)
     return Eagle1Objective(target, token_counts=token_counts, **options)
 
 
-@register_objective("eagle3")
+@register_objective("eagle3", check=lambda options: check_options(Eagle3Objective, "eagle3", options))
 def _build_eagle3(target, options: dict, token_counts=None) -> Eagle3Objective:
     check_options(Eagle3Objective, "eagle3", options)
     return Eagle3Objective(target, token_counts=token_counts, **options)

@@ -111,7 +111,7 @@ class MedusaObjective(Objective):
         return accepted, starts
 
 
-@register_objective("medusa")
+@register_objective("medusa", check=lambda options: check_options(MedusaObjective, "medusa", options))
 def _build(target, options: dict, token_counts=None) -> MedusaObjective:
     check_options(MedusaObjective, "medusa", options)
     return MedusaObjective(target, **options)
