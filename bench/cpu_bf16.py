@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from draftsmith.decode.target import CPU_BF16_FLAGS, bf16_is_fast, cpu_flags
 from draftsmith.eval.report import hardware_description
+from draftsmith.loading import CPU_BF16_FLAGS, bf16_is_fast, cpu_flags
 
 SHAPES = [  # (name, rows, in, out)
     ("training batch x MLP weight", 2048, 576, 1536),

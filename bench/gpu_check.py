@@ -173,7 +173,7 @@ def part_b(args, device: str) -> list[dict]:
 
 
 def _smollm2_dir() -> str:
-    from draftsmith.decode.target import SMOLLM2_ALIAS, resolve_model_path
+    from draftsmith.loading import SMOLLM2_ALIAS, resolve_model_path
 
     return resolve_model_path(SMOLLM2_ALIAS)[0]
 

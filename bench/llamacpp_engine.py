@@ -28,7 +28,7 @@ from pathlib import Path
 
 from draftsmith import llamacpp
 from draftsmith.decode.cpu_kernels import pack_for_decoding
-from draftsmith.decode.target import load_target, resolve_model_path, smollm2_gguf_path
+from draftsmith.decode.target import load_target
 from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import build_drafter
 from draftsmith.eval.harness import evaluate
@@ -37,6 +37,7 @@ from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.export import export_checkpoint
 from draftsmith.gguf_export import write_gguf
+from draftsmith.loading import resolve_model_path, smollm2_gguf_path
 
 TARGET = "smollm2-135m-instruct"
 ACCEPTED = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")

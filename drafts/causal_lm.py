@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import warnings
 
-from draftsmith.decode.target import load_causal_lm, tokenizer_fingerprint
 from draftsmith.drafts.base import Drafter, register
 from draftsmith.drafts.model_drafter import ModelDrafter
+from draftsmith.loading import load_causal_lm, tokenizer_fingerprint
 
 
 def check_same_vocabulary(target, draft_model, draft_tokenizer, draft_name: str) -> None:

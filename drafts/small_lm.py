@@ -25,8 +25,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from draftsmith import files
 from draftsmith.decode.features import decoder_layers
-from draftsmith.decode.target import Target, load_causal_lm
+from draftsmith.decode.target import Target
 from draftsmith.drafts.causal_lm import check_same_vocabulary
+from draftsmith.loading import load_causal_lm
 
 TARGET_KEY = "draftsmith_target"
 

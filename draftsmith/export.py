@@ -102,7 +102,7 @@ def target_gguf_of(ckpt: DraftCheckpoint, given: str | None) -> Path | None:
         if not Path(given).is_file():
             raise FileNotFoundError(f"--target-gguf {given} does not exist")
         return Path(given)
-    from draftsmith.decode.target import SMOLLM2_ALIAS, smollm2_gguf_path
+    from draftsmith.loading import SMOLLM2_ALIAS, smollm2_gguf_path
 
     name = str(ckpt.target.get("name") or "")
     if name == SMOLLM2_ALIAS:

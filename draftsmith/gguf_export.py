@@ -352,7 +352,7 @@ def eagle3_tensors(weights: dict[str, torch.Tensor], config: dict) -> dict[str, 
 
 
 def gguf_fingerprint(reader: gguf.GGUFReader) -> str:
-    """``decode.target.tokenizer_fingerprint`` of the tokenizer a GGUF file carries (padding rows aside)."""
+    """``draftsmith.loading.tokenizer_fingerprint`` of the tokenizer a GGUF file carries (padding rows aside)."""
     import hashlib
 
     tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())

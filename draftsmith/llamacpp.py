@@ -25,7 +25,7 @@ def cpu_args() -> list[str]:
     """Flags this CPU needs: on a CPU with AMX, llama.cpp's AMX matrix kernels (weights repacked at load)
     crash with a segmentation fault in ``ggml_backend_amx_mul_mat`` on the bundled Q4_1 target
     (ggml-org/llama.cpp#20824, open); ``--no-repack`` keeps the weights in their own layout."""
-    from draftsmith.decode.target import cpu_flags
+    from draftsmith.loading import cpu_flags
 
     return ["--no-repack"] if "amx_int8" in cpu_flags() or "amx_tile" in cpu_flags() else []
 

@@ -193,7 +193,7 @@ def test_mask_follows_any_template():
 def test_mask_with_real_smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    from draftsmith.decode.target import resolve_model_path
+    from draftsmith.loading import resolve_model_path
 
     try:
         path = resolve_model_path("smollm2-135m-instruct")[0]

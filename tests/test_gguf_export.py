@@ -9,9 +9,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith import gguf_export, llamacpp
 from draftsmith.cli import main
-from draftsmith.decode.target import Target, tokenizer_fingerprint
+from draftsmith.decode.target import Target
 from draftsmith.drafts import small_lm
 from draftsmith.export_verify import ExportVerificationError, verify_export
+from draftsmith.loading import tokenizer_fingerprint
 
 TEXT = "The quick <|im_start|>brown dog<|im_end|> def add(a, b): return a + b"
 
@@ -116,7 +117,8 @@ def test_smollm2_draft_gguf_carries_the_target_tokenizer(tmp_path):
     """A draft of the real bundled target: tokenizer metadata copied from the target's GGUF, fingerprint kept.
 
     (Logits through the GGUF loader are checked on the tiny drafts above; this one checks the tokenizer.)"""
-    from draftsmith.decode.target import load_target, smollm2_gguf_path
+    from draftsmith.decode.target import load_target
+    from draftsmith.loading import smollm2_gguf_path
 
     target = load_target("smollm2-135m-instruct", device="cpu")
     draft = small_lm.from_target_layers(target, [0]).eval()

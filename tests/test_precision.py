@@ -10,8 +10,8 @@ import torch
 from test_loop import conversations, make_config, tiny_target_dir  # noqa: F401 (fixtures)
 from tiny import tiny_model, tiny_tokenizer
 
-from draftsmith.decode import target as target_mod
-from draftsmith.decode.target import bf16_is_fast, load_causal_lm, resolve_dtype
+from draftsmith import loading as target_mod
+from draftsmith.loading import bf16_is_fast, load_causal_lm, resolve_dtype
 from draftsmith.train.distributed import resolve_auto_precision
 from draftsmith.train.loop import train
 

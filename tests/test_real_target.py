@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
-from draftsmith.decode import target as target_module
+from draftsmith import loading as target_module
 from draftsmith.decode.speculative import generate
-from draftsmith.decode.target import SMOLLM2_ALIAS, load_target
+from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
+from draftsmith.loading import SMOLLM2_ALIAS
 
 
 def test_missing_package_names_the_install_command(monkeypatch):

@@ -9,7 +9,7 @@ import torch
 from tiny import tiny_model, tiny_tokenizer
 
 from draftsmith.cli import build_parser, main
-from draftsmith.decode.target import load_causal_lm
+from draftsmith.loading import load_causal_lm
 from draftsmith.train.data import chat_text, load_conversations
 from draftsmith.train.regenerate import read_done, regenerate
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import datasets
 import torch
 
-from draftsmith.decode.target import tokenizer_fingerprint
 from draftsmith.files import json_error
+from draftsmith.loading import tokenizer_fingerprint
 from draftsmith.train.objective import Batch
 
 logger = logging.getLogger(__name__)

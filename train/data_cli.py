@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from draftsmith import files
-from draftsmith.decode.target import DTYPES
+from draftsmith.loading import DTYPES
 
 REGENERATE_HELP = """\
 Self-distillation: the target writes the assistant replies to your training prompts.
@@ -71,7 +71,7 @@ def load_writer(args: argparse.Namespace):
     """(model, tokenizer, name) of the target named by ``add_target_options``' arguments; ``--out``'s folder
     is checked for writing first, so a long generation never ends in a write error."""
     from draftsmith.decode.cpu_kernels import pack_linears
-    from draftsmith.decode.target import load_causal_lm
+    from draftsmith.loading import load_causal_lm
 
     files.check_writable(Path(args.out).parent, f"--out {args.out}: the folder")
     if args.chat_template is not None and not Path(args.chat_template).is_file():

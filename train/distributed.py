@@ -67,7 +67,7 @@ def resolve_auto_precision(config: TrainConfig) -> TrainConfig:
     AVX512-BF16), the draft trains in bf16-mixed (float32 master weights) and the frozen target runs in
     bfloat16; elsewhere both stay float32. The resolved values are what the run's config.yaml records.
     """
-    from draftsmith.decode.target import bf16_is_fast, resolve_device
+    from draftsmith.loading import bf16_is_fast, resolve_device
 
     t, tc = config.trainer, config.target
     if t.precision == "auto":

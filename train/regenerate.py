@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.decode.target import eos_token_ids
 from draftsmith.files import json_error
+from draftsmith.loading import eos_token_ids
 from draftsmith.train.data import Message, chat_text, check_chat_template, iter_conversations
 
 logger = logging.getLogger(__name__)

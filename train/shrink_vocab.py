@@ -61,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from draftsmith import files
-    from draftsmith.decode.target import resolve_model_path, tokenizer_fingerprint
     from draftsmith.drafts.eagle import EagleHead
     from draftsmith.drafts.loading import kind_of_checkpoint
+    from draftsmith.loading import resolve_model_path, tokenizer_fingerprint
     from draftsmith.train.data import build_dataset
     from draftsmith.train.loop import count_tokens
 

