@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.sampling import Sampling
 from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import Target, load_target
 from draftsmith.drafts import build_drafter
-from draftsmith.drafts.base import Drafter, Proposal
 from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description
 

@@ -8,9 +8,9 @@ Positions (RoPE) count only valid slots, and attention sees only valid earlier s
 computes what it would compute alone. Every query also sees its own slot, which keeps padding
 queries finite (a fully masked row would give NaN keys and values that poison later steps).
 
-Supported drafts: ``ngram`` and independent causal-LM drafts (``layers:N``, a model path); models
-with sliding-window or other non-global attention layers are refused (their caches drop slots by
-count, which holes would break). Finished rows leave the batch.
+Drafts: whatever ``Drafter.batched`` gives (n-gram lookup, causal-LM drafts: ``drafts/ngram.py``,
+``drafts/model_drafter.py``); models with sliding-window or other non-global attention layers are
+refused (their caches drop slots by count, which holes would break). Finished rows leave the batch.
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from draftsmith.decode.drafter import BatchedDrafter, Drafter
 from draftsmith.decode.speculative import GenerationResult
 from draftsmith.decode.target import Target, rollback_cache
 from draftsmith.decode.verify import verify_greedy
-from draftsmith.drafts.base import Drafter, build_drafter
-from draftsmith.drafts.model_drafter import ModelDrafter
-from draftsmith.drafts.ngram import NgramDrafter, lookup
 
 PAD_ID = 0
 """Token id written into padding slots; they are masked, so any valid id does."""
@@ -100,7 +98,7 @@ class BatchedLM:
         self.valid = self.valid[rows.to(self.valid.device)]
 
 
-def _pad(rows: Sequence[Sequence[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_rows(rows: Sequence[Sequence[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows → ids [B, S] and valid [B, S], padded on the left or the right."""
     width = max((len(r) for r in rows), default=0)
     ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
@@ -112,70 +110,18 @@ def _pad(rows: Sequence[Sequence[int]], left: bool) -> tuple[torch.Tensor, torch
     return ids, valid
 
 
-class _BatchedNgram:
-    def __init__(self, drafter: NgramDrafter):
-        self.max_n, self.min_n = drafter.max_n, drafter.min_n
-
-    def propose(self, tokens: list[list[int]], ks: list[int]) -> list[list[int]]:
-        return [lookup(torch.tensor(t), k, self.max_n, self.min_n).tolist() for t, k in zip(tokens, ks)]
-
-    def commit(self, accepted: list[int]) -> None:
-        pass
-
-    def select(self, rows: torch.Tensor) -> None:
-        pass
-
-
-class _BatchedModelDraft:
-    """Greedy chain drafting with a causal LM over the batch; the cache keeps each row's committed tokens."""
-
-    def __init__(self, drafter: ModelDrafter, batch_size: int):
-        self.lm = BatchedLM(drafter.model, batch_size, drafter.cache_config, who=f"draft {drafter.name}")
-        self.seen = [0] * batch_size  # committed tokens of each row held in the draft cache
-        self._base, self._drafted = 0, 0
-
-    def propose(self, tokens: list[list[int]], ks: list[int]) -> list[list[int]]:
-        K = max(ks, default=0)
-        self._drafted = K
-        if K == 0:
-            return [[] for _ in tokens]
-        ids, valid = _pad([t[s:] for t, s in zip(tokens, self.seen)], left=True)  # catch up, last slot real
-        logits = self.lm.forward(ids, valid, last_only=True)
-        self.seen = [len(t) for t in tokens]
-        self._base = self.lm.length
-        drafted = [logits.argmax(-1)]
-        for _ in range(K - 1):
-            step = drafted[-1][:, None]
-            drafted.append(self.lm.forward(step, torch.ones_like(step, dtype=torch.bool), True).argmax(-1))
-        chains = torch.stack(drafted, dim=1).tolist()  # [B, K]
-        return [chain[:k] for chain, k in zip(chains, ks)]
-
-    def commit(self, accepted: list[int]) -> None:
-        if self._drafted == 0:
-            return
-        kept = [min(n, self._drafted - 1) for n in accepted]  # the last draft token was never fed
-        self.lm.keep(torch.tensor([self._base + n for n in kept]))
-        self.seen = [s + n for s, n in zip(self.seen, kept)]
-
-    def select(self, rows: torch.Tensor) -> None:
-        self.lm.select(rows)
-        self.seen = [self.seen[int(r)] for r in rows]
-
-
-def _batched_drafter(target: Target, drafter: str | Drafter | None, batch_size: int):
+def _batched_drafter(drafter: Drafter | None, batch_size: int) -> BatchedDrafter | None:
     if drafter is None:
         return None
-    if isinstance(drafter, str):
-        drafter = build_drafter(drafter, target)
-    if isinstance(drafter, NgramDrafter):
-        return _BatchedNgram(drafter)
-    if type(drafter) is ModelDrafter:
-        return _BatchedModelDraft(drafter, batch_size)
-    raise ValueError(
-        f"batched decoding supports n-gram and causal-LM drafts (ngram, layers:N, a model path), not "
-        f"{getattr(drafter, 'name', type(drafter).__name__)!r}; decode with it one sequence at a time "
-        "(draftsmith.decode.speculative.generate)"
-    )
+    batched = drafter.batched(batch_size)
+    if batched is None:
+        raise ValueError(
+            f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} has no batched form (batched decoding "
+            "drafts with n-gram lookup and causal-LM drafts: ngram, layers:N, a distilled draft; heads that read "
+            "the target's hidden states need features the batched target does not capture); decode with it one "
+            "sequence at a time (draftsmith.decode.speculative.generate)"
+        )
+    return batched
 
 
 @dataclass
@@ -202,14 +148,14 @@ class BatchResult:
 def generate_batch(
     target: Target,
     prompts: Sequence[torch.Tensor],
-    drafter: str | Drafter | None = None,
+    drafter: Drafter | None = None,
     k: int = 5,
     max_new_tokens: int = 256,
 ) -> BatchResult:
     """Greedy decoding of every prompt (token ids [S_b]) together; each sequence equals its unbatched output.
 
-    ``drafter``: None (the target alone), a spec (``ngram``, ``ngram:N``, ``layers:N``, a model path)
-    or a built n-gram / causal-LM drafter. Up to k draft tokens per row and step.
+    ``drafter``: None (the target alone) or a drafter with a batched form (``Drafter.batched``: n-gram
+    lookup, causal-LM drafts). Up to k draft tokens per row and step.
     """
     if not prompts:
         raise ValueError("generate_batch needs at least one prompt")
@@ -220,13 +166,13 @@ def generate_batch(
     for p in prompts:
         target.check_fits(p.numel(), max_new_tokens)
     start = time.perf_counter()
-    draft = _batched_drafter(target, drafter, len(prompts))
+    draft = _batched_drafter(drafter, len(prompts))
     lm = BatchedLM(target.model, len(prompts), who=f"target {target.name}")
     tokens = [p.view(-1).tolist() for p in prompts]
     results = [GenerationResult(tokens=[]) for _ in prompts]
     active = list(range(len(prompts)))  # sequence index of each batch row
 
-    ids, valid = _pad(tokens, left=True)
+    ids, valid = pad_rows(tokens, left=True)
     first = lm.forward(ids, valid, last_only=True).argmax(-1).tolist()
     prefill_seconds = time.perf_counter() - start
     forwards = 1
@@ -245,7 +191,7 @@ def generate_batch(
             break
         ks = [min(k, max_new_tokens - len(results[s].tokens) - 1) for s in active]
         drafts = draft.propose([tokens[s] for s in active], ks) if draft is not None else [[] for _ in active]
-        ids, valid = _pad([[tokens[s][-1], *d] for s, d in zip(active, drafts)], left=False)
+        ids, valid = pad_rows([[tokens[s][-1], *d] for s, d in zip(active, drafts)], left=False)
         before = lm.length
         logits = lm.forward(ids, valid)  # [A, 1 + K, V]: row b scores its drafts at 0..len-1
         forwards += 1

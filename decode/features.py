@@ -61,13 +61,6 @@ def resolve_layer_ids(model: nn.Module, layer_ids: list[int]) -> list[int]:
     return resolved
 
 
-def default_eagle3_layers(num_layers: int) -> list[int]:
-    """Low, middle and high layer ids (0-based outputs) as EAGLE-3 picks them: 1, L/2 - 1, L - 4."""
-    if num_layers < 7:  # too shallow for the 1 / L/2-1 / L-4 spread: first, middle, last
-        return sorted({0, (num_layers - 1) // 2, num_layers - 1})
-    return [1, num_layers // 2 - 1, num_layers - 4]
-
-
 @contextmanager
 def capture_layers(model: nn.Module, layer_ids: list[int]) -> Iterator[dict[int, torch.Tensor]]:
     """Forward hooks that store the output of each chosen decoder layer into the yielded dict.

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.decode.cost_model import CostModel
+from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.target import Target
 from draftsmith.decode.verify import verify_greedy, verify_sampled
-from draftsmith.drafts.base import Drafter, Proposal
 
 
 @dataclass

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from draftsmith.decode.cost_model import TreeBudget
+from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.speculative import GREEDY, GenerationResult, commit_tokens, sync
 from draftsmith.decode.target import Target, TargetStep
@@ -34,7 +35,6 @@ from draftsmith.decode.tree import (
     verify_tree_greedy,
     verify_tree_sampled,
 )
-from draftsmith.drafts.base import Drafter
 
 MASK_IMPLEMENTATIONS = ("eager", "sdpa")
 

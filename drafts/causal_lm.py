@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import warnings
 
-from draftsmith.drafts.base import Drafter, register
+from draftsmith.decode.drafter import Drafter
+from draftsmith.drafts.base import register
 from draftsmith.drafts.model_drafter import ModelDrafter
 from draftsmith.loading import load_causal_lm, tokenizer_fingerprint
 

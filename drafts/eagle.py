@@ -27,14 +27,22 @@ from torch import nn
 from transformers import AutoConfig, DynamicCache, LlamaConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draftsmith.decode.features import LAYER_ID_CONVENTION, default_eagle3_layers, resolve_layer_ids
-from draftsmith.drafts.base import Drafter, register
+from draftsmith.decode.drafter import Drafter
+from draftsmith.decode.features import LAYER_ID_CONVENTION, resolve_layer_ids
+from draftsmith.drafts.base import register
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 from draftsmith.drafts.loading import DRAFT_KIND_KEY
 
 PRESETS = ("eagle1", "eagle3")
 TARGET_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "tokenizer_fingerprint")
 """Fields of ``Target.record()`` that must agree for a head to be used with a target (the name may differ)."""
+
+
+def default_eagle3_layers(num_layers: int) -> list[int]:
+    """Low, middle and high layer ids (0-based outputs) as EAGLE-3 picks them: 1, L/2 - 1, L - 4."""
+    if num_layers < 7:  # too shallow for the 1 / L/2-1 / L-4 spread: first, middle, last
+        return sorted({0, (num_layers - 1) // 2, num_layers - 1})
+    return [1, num_layers // 2 - 1, num_layers - 4]
 
 
 class EagleConfig(PretrainedConfig):

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
+from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.target import rollback_cache
 from draftsmith.decode.tree import DraftTree, TreeBuilder, TreeSpec
-from draftsmith.drafts.base import Drafter, Proposal
 
 if TYPE_CHECKING:
     from draftsmith.drafts.eagle import EagleHead

@@ -10,8 +10,9 @@ import copy
 
 from torch import nn
 
+from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.features import decoder_layers
-from draftsmith.drafts.base import Drafter, register
+from draftsmith.drafts.base import register
 from draftsmith.drafts.model_drafter import ModelDrafter
 
 

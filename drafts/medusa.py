@@ -26,10 +26,11 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.features import LAYER_ID_CONVENTION
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.tree import DraftTree, TreeBuilder, TreeSpec
-from draftsmith.drafts.base import Drafter, Proposal, register
+from draftsmith.drafts.base import register
 from draftsmith.drafts.eagle import copy_final_norm
 from draftsmith.drafts.loading import DRAFT_KIND_KEY
 

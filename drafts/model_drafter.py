@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, StaticCache
 
+from draftsmith.decode.batched import BatchedLM, pad_rows
+from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.target import COMPILE_MAX_WIDTH, rollback_cache
-from draftsmith.drafts.base import Drafter, Proposal
 
 
 class ModelDrafter(Drafter):
@@ -86,3 +87,44 @@ class ModelDrafter(Drafter):
 
     def commit(self, num_accepted: int, features: dict[int, torch.Tensor] | None) -> None:
         rollback_cache(self.cache, self._base + num_accepted)
+
+    def batched(self, batch_size: int) -> BatchedModelDraft:
+        return BatchedModelDraft(self, batch_size)
+
+
+class BatchedModelDraft:
+    """Greedy chain drafting with a causal LM over the batch; the cache keeps each row's committed tokens."""
+
+    def __init__(self, drafter: ModelDrafter, batch_size: int):
+        self.lm = BatchedLM(drafter.model, batch_size, drafter.cache_config, who=f"draft {drafter.name}")
+        self.seen = [0] * batch_size  # committed tokens of each row held in the draft cache
+        self._base, self._drafted = 0, 0
+
+    def propose(self, tokens: list[list[int]], ks: list[int]) -> list[list[int]]:
+        K = max(ks, default=0)
+        self._drafted = K
+        if K == 0:
+            return [[] for _ in tokens]
+        ids, valid = pad_rows(
+            [t[s:] for t, s in zip(tokens, self.seen)], left=True
+        )  # catch up, last slot real
+        logits = self.lm.forward(ids, valid, last_only=True)
+        self.seen = [len(t) for t in tokens]
+        self._base = self.lm.length
+        drafted = [logits.argmax(-1)]
+        for _ in range(K - 1):
+            step = drafted[-1][:, None]
+            drafted.append(self.lm.forward(step, torch.ones_like(step, dtype=torch.bool), True).argmax(-1))
+        chains = torch.stack(drafted, dim=1).tolist()  # [B, K]
+        return [chain[:k] for chain, k in zip(chains, ks)]
+
+    def commit(self, accepted: list[int]) -> None:
+        if self._drafted == 0:
+            return
+        kept = [min(n, self._drafted - 1) for n in accepted]  # the last draft token was never fed
+        self.lm.keep(torch.tensor([self._base + n for n in kept]))
+        self.seen = [s + n for s, n in zip(self.seen, kept)]
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.lm.select(rows)
+        self.seen = [self.seen[int(r)] for r in rows]

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.sampling import Sampling
 from draftsmith.decode.tree import DraftTree, TreeSpec
-from draftsmith.drafts.base import Drafter, Proposal, register
+from draftsmith.drafts.base import register
 
 
 class NgramDrafter(Drafter):
@@ -34,6 +35,9 @@ class NgramDrafter(Drafter):
 
     def commit(self, num_accepted: int, features: dict[int, torch.Tensor] | None) -> None:
         pass
+
+    def batched(self, batch_size: int) -> BatchedNgram:
+        return BatchedNgram(self)
 
     def propose_tree(
         self, tokens: torch.Tensor, spec: TreeSpec, sampling: Sampling, generator: torch.Generator | None
@@ -88,3 +92,19 @@ def continuations(seq: torch.Tensor, length: int, max_n: int, min_n: int = 1):
 @register("ngram")
 def _build(target, arg: str) -> Drafter:
     return NgramDrafter(max_n=int(arg)) if arg else NgramDrafter()
+
+
+class BatchedNgram:
+    """n-gram lookup per row: nothing to keep between steps."""
+
+    def __init__(self, drafter: NgramDrafter):
+        self.max_n, self.min_n = drafter.max_n, drafter.min_n
+
+    def propose(self, tokens: list[list[int]], ks: list[int]) -> list[list[int]]:
+        return [lookup(torch.tensor(t), k, self.max_n, self.min_n).tolist() for t, k in zip(tokens, ks)]
+
+    def commit(self, accepted: list[int]) -> None:
+        pass
+
+    def select(self, rows: torch.Tensor) -> None:
+        pass

@@ -19,12 +19,12 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.decode.cost_model import CostModel, TreeBudget
+from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.sampling import Sampling
 from draftsmith.decode.speculative import KPolicy, generate
 from draftsmith.decode.target import Target
 from draftsmith.decode.tree import TreeSpec
 from draftsmith.decode.tree_decode import generate_tree
-from draftsmith.drafts.base import Drafter
 from draftsmith.eval.prompts import EvalPrompt, answer_text, render
 from draftsmith.eval.stats import RunStats
 

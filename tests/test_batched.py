@@ -7,10 +7,10 @@ import torch
 from tiny import tiny_model, tiny_target, tiny_tokenizer
 
 from draftsmith.decode.batched import generate_batch
+from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import Target
 from draftsmith.drafts.base import build_drafter
-from draftsmith.drafts.model_drafter import ModelDrafter
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 
@@ -33,7 +33,9 @@ def target(request):
 
 @pytest.mark.parametrize("spec", [None, "ngram", "layers:2"])
 def test_batched_equals_unbatched(target, spec):
-    batch = generate_batch(target, prompts(), spec, k=4, max_new_tokens=30)
+    batch = generate_batch(
+        target, prompts(), build_drafter(spec, target) if spec else None, k=4, max_new_tokens=30
+    )
     assert len(batch.sequences) == 4 and batch.new_tokens == sum(len(s.tokens) for s in batch.sequences)
     per_row_accepted = []
     for prompt, got in zip(prompts(), batch.sequences):
@@ -61,7 +63,7 @@ def test_rows_that_stop_early_leave_the_batch(target):
     saved = target.eos_ids
     target.eos_ids = {reference[1][2]}
     try:
-        batch = generate_batch(target, prompts(), "ngram", k=3, max_new_tokens=12)
+        batch = generate_batch(target, prompts(), build_drafter("ngram", target), k=3, max_new_tokens=12)
         for p, got in zip(prompts(), batch.sequences):
             alone = generate(target, p, build_drafter("ngram", target), k=3, max_new_tokens=12)
             assert got.tokens == alone.tokens and got.stopped_by == alone.stopped_by
@@ -73,11 +75,20 @@ def test_rows_that_stop_early_leave_the_batch(target):
 def test_unsupported_drafts_and_models_are_refused():
     target = tiny_target("llama")
 
-    class Odd(ModelDrafter):
-        pass
+    class Odd(Drafter):  # a drafter with no batched form (as EAGLE and Medusa heads)
+        name = "odd"
 
-    with pytest.raises(ValueError, match="n-gram and causal-LM drafts"):
-        generate_batch(target, prompts(), Odd(target.model, "odd"), k=2, max_new_tokens=4)
+        def begin(self, prompt, features):
+            pass
+
+        def propose(self, tokens, k, sampling, generator):
+            return Proposal(tokens[-1:].repeat(k))
+
+        def commit(self, num_accepted, features):
+            pass
+
+    with pytest.raises(ValueError, match="'odd' has no batched form.*one sequence at a time"):
+        generate_batch(target, prompts(), Odd(), k=2, max_new_tokens=4)
     sliding = Target(tiny_model("mistral"), tiny_tokenizer(), "tiny-mistral")
     with pytest.raises(ValueError, match="global attention"):
         generate_batch(sliding, prompts(), None, max_new_tokens=4)

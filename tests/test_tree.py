@@ -14,6 +14,7 @@ from tiny import ARCHS, tiny_model, tiny_target, tiny_tokenizer
 
 from draftsmith.cli import main
 from draftsmith.decode.cost_model import TreeBudget
+from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.sampling import Sampling, to_probs
 from draftsmith.decode.speculative import generate
 from draftsmith.decode.tree import (
@@ -27,7 +28,7 @@ from draftsmith.decode.tree import (
     verify_tree_sampled,
 )
 from draftsmith.decode.tree_decode import compact_cache, generate_tree, tree_forward
-from draftsmith.drafts.base import Drafter, build_drafter
+from draftsmith.drafts.base import build_drafter
 from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 from draftsmith.drafts.ngram import NgramDrafter
