@@ -36,7 +36,7 @@ from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.export import export_checkpoint
-from draftsmith.gguf_export import write_gguf
+from draftsmith.export.gguf import write_gguf
 from draftsmith.loading import resolve_model_path, smollm2_gguf_path
 
 TARGET = "smollm2-135m-instruct"

@@ -1,6 +1,22 @@
-"""Draft models and the Drafter protocol; importing this package registers every kind."""
+"""The kinds of draft behind one protocol (``decode/drafter.py``), one record each (``drafts/base.py``)."""
 
-from draftsmith.drafts import causal_lm, eagle, layer_subset, medusa, ngram  # noqa: F401  (registration)
-from draftsmith.drafts.base import Drafter, Proposal, build_drafter, register, registered_kinds
+from draftsmith.decode.drafter import Drafter, Proposal
+from draftsmith.drafts.base import (
+    DraftKind,
+    build_drafter,
+    draft_kind,
+    kind_names,
+    kind_of_checkpoint,
+    register,
+)
 
-__all__ = ["Drafter", "Proposal", "build_drafter", "register", "registered_kinds"]
+__all__ = [
+    "DraftKind",
+    "Drafter",
+    "Proposal",
+    "build_drafter",
+    "draft_kind",
+    "kind_names",
+    "kind_of_checkpoint",
+    "register",
+]

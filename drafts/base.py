@@ -1,52 +1,164 @@
-"""The registry that builds drafters from a spec string; the protocol itself is ``decode/drafter.py``."""
+"""The kinds of draft, one record each, and the one registry that builds drafters from a spec.
+
+A ``DraftKind`` owns what differs between kinds: its one name (the ``--draft`` spec prefix of a
+training-free kind, ``draftsmith_kind`` in a saved ``config.json``, ``draft.kind`` in a training recipe,
+the model card's tag), what the card calls it, how it loads, the module of its training objective,
+the engines it exports to and why it refuses the others. A kind's file in ``drafts/`` registers its
+record; the registry imports that file the first time the kind is asked for (``KIND_MODULES``), so
+reading a config or a spec never imports torch. Adding a kind = one file here (model, drafter,
+record) and one objective in ``train/objectives/``.
+
+Every trained draft records the target it was trained for (``Target.record()``); ``check_target`` is
+the one check, shared by every kind, that a draft meets that target.
+"""
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from draftsmith.decode.drafter import Drafter, Proposal
+from draftsmith.decode.drafter import Drafter
+from draftsmith.decode.features import LAYER_ID_CONVENTION
 
 if TYPE_CHECKING:
     from draftsmith.decode.target import Target
 
-__all__ = ["Drafter", "Proposal"]
-
-
+DRAFT_KIND_KEY = "draftsmith_kind"
+"""The ``config.json`` key that names a saved draft's kind."""
 RUN_DRAFT = "draft"
 """Where a ``draftsmith train`` run directory keeps its draft: ``--draft RUN`` reads ``RUN/draft``."""
+TARGET_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "tokenizer_fingerprint")
+"""Fields of ``Target.record()`` that must agree for a draft to be used with a target (the name may differ)."""
 
 DrafterFactory = Callable[["Target", str], Drafter]
-_REGISTRY: dict[str, DrafterFactory] = {}
+"""``(target, argument) -> Drafter``: the argument is a checkpoint directory, or a spec's ``:N`` part."""
 
 
-def register(kind: str) -> Callable[[DrafterFactory], DrafterFactory]:
-    """Register a factory ``(target, argument) -> Drafter`` under a kind name (``ngram``, ``layers``, ...)."""
+@dataclass(frozen=True)
+class DraftKind:
+    """One kind of draft: everything the rest of draftsmith needs to know about it."""
 
-    def wrap(factory: DrafterFactory) -> DrafterFactory:
-        _REGISTRY[kind] = factory
-        return factory
+    name: str
+    """The one name, used everywhere: ``--draft NAME[:N]`` (training-free kinds), ``draftsmith_kind`` in
+    config.json, ``draft.kind`` in a recipe, the card's tag."""
+    title: str
+    """What a model card or an error calls it ("EAGLE-3 head")."""
+    build: DrafterFactory
+    family: str
+    """How it is stored and served: ``eagle`` (a head on the target's hidden states), ``causal_lm`` (an
+    ordinary transformers causal LM), ``medusa``, or ``training-free`` (no checkpoint)."""
+    objective: str | None = None
+    """The module that registers its training objective (``train/objectives/...``), None if untrainable."""
+    exports: tuple[str, ...] = ()
+    """``draftsmith export --to`` engines it has a layout for."""
+    refusals: dict[str, str] = field(default_factory=dict)
+    """Engine -> why it cannot be exported there (said as the error)."""
+    target_key: str = "target"
+    """Where its config.json records the target it was trained for."""
 
-    return wrap
+    def refuse_export(self, engine: str) -> None:
+        """Raise the reason ``engine`` cannot take this kind, if it cannot."""
+        if engine not in self.exports:
+            why = (
+                self.refusals.get(engine)
+                or self.refusals.get("*")
+                or f"draftsmith has no {engine} layout for it"
+            )
+            raise ValueError(f"--to {engine} cannot take a {self.title} ({self.name}): {why}")
 
 
-def registered_kinds() -> list[str]:
-    return sorted(_REGISTRY)
+KIND_MODULES = {
+    "eagle1": "draftsmith.drafts.eagle",
+    "eagle3": "draftsmith.drafts.eagle",
+    "distill": "draftsmith.drafts.distill",
+    "medusa": "draftsmith.drafts.medusa",
+    "ngram": "draftsmith.drafts.ngram",
+    "layers": "draftsmith.drafts.layer_subset",
+}
+"""Kind name -> the module that registers its record (imported on first use)."""
+LEGACY_KINDS = {"eagle": None, "small_lm": "distill", "causal_lm": "distill"}
+"""Names earlier versions wrote; ``eagle`` is resolved by the head's ``preset``."""
+_KINDS: dict[str, DraftKind] = {}
+
+
+def register(kind: DraftKind) -> DraftKind:
+    """Make a kind known (its module calls this at import)."""
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def kind_names() -> list[str]:
+    return sorted(set(KIND_MODULES) | set(_KINDS))
+
+
+def draft_kind(name: str) -> DraftKind:
+    """The record of the kind called ``name``; an error naming the closest known one otherwise."""
+    if name not in _KINDS and name in KIND_MODULES:
+        importlib.import_module(KIND_MODULES[name])
+    if name not in _KINDS:
+        close = difflib.get_close_matches(name, kind_names(), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown draft kind {name!r}.{hint} Known kinds: {', '.join(kind_names())}")
+    return _KINDS[name]
+
+
+def kind_of_config(config: dict) -> DraftKind:
+    """The kind a saved draft's ``config.json`` (as a dict) says it is; a plain causal LM is ``distill``."""
+    name = config.get(DRAFT_KIND_KEY) or "distill"
+    if name in LEGACY_KINDS:
+        name = LEGACY_KINDS[name] or config.get("preset", "eagle3")
+    return draft_kind(name)
+
+
+def kind_of_checkpoint(path: str | Path) -> DraftKind:
+    """The kind of the draft saved in directory ``path`` (any causal-LM directory reads as ``distill``)."""
+    config = Path(path) / "config.json"
+    return kind_of_config(json.loads(config.read_text()) if config.is_file() else {})
+
+
+def check_target(
+    saved: dict | None, target: Target, what: str, layer_id_convention: str | None = None
+) -> None:
+    """Refuse to use a draft (``what``, e.g. "EAGLE-3 head") with a target other than the one it was
+    trained for; for a draft that reads the target's layers, also one whose layer ids count otherwise."""
+    if not saved:
+        raise ValueError(f"this {what} records no target; re-save it with `draftsmith train`")
+    if layer_id_convention is not None and layer_id_convention != LAYER_ID_CONVENTION:
+        raise ValueError(
+            f"the {what} records layer ids in convention {layer_id_convention!r}, but this version uses "
+            f"{LAYER_ID_CONVENTION!r}; re-save it with its layer ids converted."
+        )
+    current = target.record()
+    for name in TARGET_FIELDS:
+        if saved.get(name) != current.get(name):
+            raise ValueError(
+                f"the {what} was trained for target {saved.get('name')!r} but the target is {current.get('name')!r}: "
+                f"{name} differs ({saved.get(name)!r} vs {current.get(name)!r}). Use it with the target it was "
+                f"trained for, or train one for {current.get('name')!r}."
+            )
 
 
 def build_drafter(spec: str, target: Target) -> Drafter:
-    """Build a drafter from a spec: ``ngram``, ``ngram:N``, ``layers:N``, or a path / model id.
+    """Build a drafter from a spec: ``ngram``, ``ngram:N``, ``layers:N``, or a path / Hub id.
 
-    A directory saved by draftsmith names its kind in ``config.json`` (``draftsmith_kind``) and is
-    built by that kind; any other path or model id is loaded as an independent causal-LM draft.
+    A training-free kind is named by the spec; a directory (a draft directory, or a ``draftsmith
+    train`` run directory holding ``draft/``) or a Hub id is built by the kind its ``config.json``
+    records, and any other causal LM on the target's tokenizer as an independent draft.
     """
-    import draftsmith.drafts  # noqa: F401  (imports every kind so it registers)
-    from draftsmith.drafts.loading import kind_of_checkpoint
-
-    kind, _, arg = spec.partition(":")
-    if kind in _REGISTRY and kind not in ("causal_lm",):
-        return _REGISTRY[kind](target, arg)
+    name, _, arg = spec.partition(":")
+    if name in KIND_MODULES and not Path(spec).exists():
+        kind = draft_kind(name)
+        if kind.family == "training-free":
+            return kind.build(target, arg)
+        raise ValueError(
+            f"--draft {spec}: a {kind.title} loads from a checkpoint directory saved by `draftsmith train`; pass "
+            "the run directory (or its draft/), or a Hub id"
+        )
     from draftsmith.hub import resolve_pretrained
 
     spec = resolve_pretrained(spec, what="draft")  # a Hub id becomes its local snapshot (cache first)
@@ -58,10 +170,4 @@ def build_drafter(spec: str, target: Target) -> Drafter:
             f"--draft {spec} holds no draft: expected config.json in it (a draft directory) or draft/config.json "
             "(a `draftsmith train` run directory; it appears once the run has validated)"
         )
-    kind = kind_of_checkpoint(spec)
-    if kind not in _REGISTRY:
-        raise ValueError(
-            f"draft {spec!r} is a draftsmith checkpoint of kind {kind!r}, which this version cannot load "
-            f"(known kinds: {', '.join(registered_kinds())})"
-        )
-    return _REGISTRY[kind](target, spec)
+    return kind_of_checkpoint(spec).build(target, spec)

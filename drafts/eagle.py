@@ -29,13 +29,11 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.features import LAYER_ID_CONVENTION, resolve_layer_ids
-from draftsmith.drafts.base import register
+from draftsmith.drafts.base import DRAFT_KIND_KEY, DraftKind, register
+from draftsmith.drafts.base import check_target as check_draft_target
 from draftsmith.drafts.eagle_drafter import EagleDrafter
-from draftsmith.drafts.loading import DRAFT_KIND_KEY
 
 PRESETS = ("eagle1", "eagle3")
-TARGET_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "tokenizer_fingerprint")
-"""Fields of ``Target.record()`` that must agree for a head to be used with a target (the name may differ)."""
 
 
 def default_eagle3_layers(num_layers: int) -> list[int]:
@@ -97,7 +95,7 @@ class EagleConfig(PretrainedConfig):
         self.logit_softcap = logit_softcap
         self.target = dict(target or {})
         self.initializer_range = initializer_range
-        setattr(self, DRAFT_KIND_KEY, "eagle")
+        setattr(self, DRAFT_KIND_KEY, preset)  # the kind's name (earlier versions wrote "eagle")
         super().__init__(**kwargs)
 
     @classmethod
@@ -168,23 +166,7 @@ AutoConfig.register(EagleConfig.model_type, EagleConfig, exist_ok=True)
 
 def check_target(config: EagleConfig, target) -> None:
     """Refuse to use a head with a target other than the one it was trained for."""
-    saved, current = config.target, target.record()
-    if not saved:
-        raise ValueError(
-            "this EAGLE head records no target; re-save it with `draftsmith train` (config.target)"
-        )
-    for field in TARGET_FIELDS:
-        if saved.get(field) != current.get(field):
-            raise ValueError(
-                f"EAGLE head was trained for target {saved.get('name')!r} but the target is {current.get('name')!r}: "
-                f"{field} differs ({saved.get(field)!r} vs {current.get(field)!r}). Use the head with the target "
-                f"it was trained for, or train one for {current.get('name')!r}."
-            )
-    if config.layer_id_convention != LAYER_ID_CONVENTION:
-        raise ValueError(
-            f"EAGLE head records layer ids in convention {config.layer_id_convention!r}, but this version uses "
-            f"{LAYER_ID_CONVENTION!r}; re-save the head with its layer ids converted."
-        )
+    check_draft_target(config.target, target, f"EAGLE head ({config.preset})", config.layer_id_convention)
 
 
 def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,7 +468,6 @@ class EagleHead(PreTrainedModel):
         return EagleOutput(all_hidden, all_logits)
 
 
-@register("eagle")
 def _build(target, path: str) -> Drafter:
     if not path or not (Path(path) / "config.json").is_file():
         raise ValueError(
@@ -495,3 +476,13 @@ def _build(target, path: str) -> Drafter:
     head = EagleHead.from_pretrained(path, dtype=target.dtype).to(target.device).eval().requires_grad_(False)
     check_target(head.config, target)
     return EagleDrafter(head, name=f"eagle:{Path(path).name}")
+
+
+ENGINES = ("hf", "vllm", "sglang", "speculators", "gguf")
+register(DraftKind("eagle3", "EAGLE-3 head", _build, "eagle", objective="draftsmith.train.objectives.eagle",
+                   exports=ENGINES))  # fmt: skip
+register(DraftKind("eagle1", "EAGLE-1 head", _build, "eagle", objective="draftsmith.train.objectives.eagle",
+                   exports=("hf",), refusals={engine: (
+                       "draftsmith's EAGLE-1 head keeps its first layer's input norm and reads the target's final "
+                       "norm, which the engines' EAGLE-1 loaders do not; train an eagle3 head, or use this one with "
+                       "`draftsmith eval`") for engine in ENGINES[1:]}))  # fmt: skip

@@ -12,7 +12,7 @@ from torch import nn
 
 from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.features import decoder_layers
-from draftsmith.drafts.base import register
+from draftsmith.drafts.base import DraftKind, register
 from draftsmith.drafts.model_drafter import ModelDrafter
 
 
@@ -48,10 +48,13 @@ def layer_subset_view(model: nn.Module, n: int) -> nn.Module:
     return root
 
 
-@register("layers")
 def _build(target, arg: str) -> Drafter:
     if not arg.isdigit():
         raise ValueError(f"layer-subset draft needs a layer count, e.g. 'layers:8' (got 'layers:{arg}')")
     n = int(arg)
     view = layer_subset_view(target.model, n)
     return ModelDrafter(view, name=f"layers:{n}")
+
+
+register(DraftKind("layers", "layer-subset drafter", _build, "training-free",
+                   refusals={"*": "it is the target's own first layers: nothing to export"}))  # fmt: skip

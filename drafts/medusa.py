@@ -30,12 +30,8 @@ from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.features import LAYER_ID_CONVENTION
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.tree import DraftTree, TreeBuilder, TreeSpec
-from draftsmith.drafts.base import register
+from draftsmith.drafts.base import DRAFT_KIND_KEY, DraftKind, check_target, register
 from draftsmith.drafts.eagle import copy_final_norm
-from draftsmith.drafts.loading import DRAFT_KIND_KEY
-
-TARGET_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "tokenizer_fingerprint")
-"""Fields of ``Target.record()`` that must agree for heads to be used with a target (the name may differ)."""
 
 
 class MedusaConfig(PretrainedConfig):
@@ -95,25 +91,6 @@ class MedusaConfig(PretrainedConfig):
 
 
 AutoConfig.register(MedusaConfig.model_type, MedusaConfig, exist_ok=True)
-
-
-def check_target(config: MedusaConfig, target) -> None:
-    """Refuse to use heads with a target other than the one they were trained for."""
-    saved, current = config.target, target.record()
-    if not saved:
-        raise ValueError("these Medusa heads record no target; re-save them with `draftsmith train`")
-    for field in TARGET_FIELDS:
-        if saved.get(field) != current.get(field):
-            raise ValueError(
-                f"Medusa heads were trained for target {saved.get('name')!r} but the target is "
-                f"{current.get('name')!r}: {field} differs ({saved.get(field)!r} vs {current.get(field)!r}). "
-                f"Use the heads with the target they were trained for, or train heads for {current.get('name')!r}."
-            )
-    if config.layer_id_convention != LAYER_ID_CONVENTION:
-        raise ValueError(
-            f"Medusa heads record layer ids in convention {config.layer_id_convention!r}, but this version "
-            f"uses {LAYER_ID_CONVENTION!r}; re-save them with their layer ids converted."
-        )
 
 
 class ResBlock(nn.Module):
@@ -248,7 +225,6 @@ class MedusaDrafter(Drafter):
         self.feature = self._last_feature(features)
 
 
-@register("medusa")
 def _build(target, path: str) -> Drafter:
     if not path or not (Path(path) / "config.json").is_file():
         raise ValueError(
@@ -257,5 +233,14 @@ def _build(target, path: str) -> Drafter:
     heads = (
         MedusaHeads.from_pretrained(path, dtype=target.dtype).to(target.device).eval().requires_grad_(False)
     )
-    check_target(heads.config, target)
+    check_target(heads.config.target, target, "Medusa draft", heads.config.layer_id_convention)
     return MedusaDrafter(heads, name=f"medusa:{Path(path).name}")
+
+
+NO_ENGINE_LOADER = (
+    "neither vLLM 0.33 nor SGLang 0.5.23 has a Medusa loader any more (their released sources contain "
+    "none), and llama.cpp has no Medusa graph; use the heads with `draftsmith eval`, or export them with --to hf"
+)
+register(DraftKind("medusa", "Medusa draft", _build, "medusa", objective="draftsmith.train.objectives.medusa",
+                   exports=("hf",), refusals=dict.fromkeys(("vllm", "sglang", "speculators", "gguf"),
+                                                             NO_ENGINE_LOADER)))  # fmt: skip

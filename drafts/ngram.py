@@ -11,7 +11,7 @@ import torch
 from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.sampling import Sampling
 from draftsmith.decode.tree import DraftTree, TreeSpec
-from draftsmith.drafts.base import register
+from draftsmith.drafts.base import DraftKind, register
 
 
 class NgramDrafter(Drafter):
@@ -89,9 +89,14 @@ def continuations(seq: torch.Tensor, length: int, max_n: int, min_n: int = 1):
             yield seq[hit + n : hit + n + length].tolist()
 
 
-@register("ngram")
 def _build(target, arg: str) -> Drafter:
+    if arg and not arg.isdigit():
+        raise ValueError(f"an n-gram draft takes a match length, e.g. 'ngram:3' (got 'ngram:{arg}')")
     return NgramDrafter(max_n=int(arg)) if arg else NgramDrafter()
+
+
+register(DraftKind("ngram", "n-gram drafter", _build, "training-free",
+                   refusals={"*": "it is training-free: serve with the engine's own n-gram drafting"}))  # fmt: skip
 
 
 class BatchedNgram:

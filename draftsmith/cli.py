@@ -23,11 +23,11 @@ SUBCOMMANDS = {
         "keep only the most frequent rows of an EAGLE-3 head's draft vocabulary (faster drafting)",
     ),
     "publish": (
-        "draftsmith.publish",
+        "draftsmith.publish.cli",
         "publish a draft checkpoint to the Hugging Face Hub with a model card of measured numbers",
     ),
     "export": (
-        "draftsmith.export",
+        "draftsmith.export.cli",
         "export a draft in the layout transformers, vLLM, SGLang or llama.cpp loads",
     ),
     "quickstart": (

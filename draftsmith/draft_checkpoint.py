@@ -11,11 +11,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.drafts.base import DraftKind, kind_of_config
 from draftsmith.hub import resolve_pretrained
 
-EAGLE = "eagle"
-SMALL_LM = "small_lm"
-TARGET_KEY = "draftsmith_target"  # drafts/small_lm.py records its target here
 RECIPE_FILES = ("train_config.yaml",)  # written into draft/ by the training loop
 RUN_RECIPE = "config.yaml"
 
@@ -27,19 +25,13 @@ class DraftCheckpoint:
     spec: str
     draft_dir: Path
     run_dir: Path | None
-    kind: str
-    """``eagle`` (an EAGLE head) or ``small_lm`` (an ordinary transformers causal LM)."""
+    kind: DraftKind
     config: dict
 
     @property
     def target(self) -> dict:
         """The record of the target the draft was trained for (name, sizes, tokenizer fingerprint)."""
-        key = "target" if self.kind == EAGLE else TARGET_KEY
-        return dict(self.config.get(key) or {})
-
-    @property
-    def preset(self) -> str | None:
-        return self.config.get("preset") if self.kind == EAGLE else None
+        return dict(self.config.get(self.kind.target_key) or {})
 
     def recipe_path(self) -> Path | None:
         """The training recipe: ``draft/train_config.yaml`` (resolved), else ``<run>/config.yaml``."""
@@ -69,10 +61,4 @@ def locate_checkpoint(spec: str) -> DraftCheckpoint:
             "(a `draftsmith train` run directory). Has the run validated at least once?"
         )
     config = json.loads((draft_dir / "config.json").read_text())
-    kind = EAGLE if config.get("draftsmith_kind") == EAGLE else SMALL_LM
-    if kind == SMALL_LM and config.get("draftsmith_kind"):
-        raise ValueError(
-            f"{draft_dir} is a draftsmith checkpoint of kind {config['draftsmith_kind']!r}, which publish/export "
-            "do not handle (they handle EAGLE heads and ordinary causal-LM drafts)"
-        )
-    return DraftCheckpoint(spec, draft_dir, run_dir, kind, config)
+    return DraftCheckpoint(spec, draft_dir, run_dir, kind_of_config(config), config)

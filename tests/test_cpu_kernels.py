@@ -19,10 +19,10 @@ from draftsmith.decode.cpu_kernels import (
 )
 from draftsmith.decode.speculative import generate
 from draftsmith.drafts import build_drafter
+from draftsmith.drafts.distill import from_target_layers
 from draftsmith.drafts.eagle import EagleConfig, EagleHead
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 from draftsmith.drafts.model_drafter import ModelDrafter
-from draftsmith.drafts.small_lm import from_target_layers
 
 needs_int8 = pytest.mark.skipif(int8_unavailable("cpu") is not None, reason="no int8 weight-only matmul")
 

@@ -5,7 +5,7 @@ import torch
 from tiny import tiny_target
 
 from draftsmith.decode.speculative import generate
-from draftsmith.drafts.loading import kind_of_checkpoint
+from draftsmith.drafts.base import kind_of_checkpoint
 from draftsmith.train import losses
 from draftsmith.train.objective import Batch, Teacher, decoding_walk
 from draftsmith.train.objectives import distill
@@ -151,7 +151,7 @@ def test_registered_and_saved_as_a_causal_lm_draft(tmp_path):
     objective = build_objective("distill", target, {"init": "target_layers", "layer_ids": [0, 2]})
     assert isinstance(objective, DistillObjective)
     objective.save(objective.build_draft(), tmp_path / "draft")
-    assert kind_of_checkpoint(str(tmp_path / "draft")) == "causal_lm"
+    assert kind_of_checkpoint(tmp_path / "draft").name == "distill"
     with pytest.raises(ValueError, match="unknown key 'draft.options.layers'.*Valid keys"):
         DistillObjective(target, {"layers": 2})
     with pytest.raises(ValueError, match="choose one of"):

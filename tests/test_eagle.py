@@ -163,7 +163,7 @@ def test_save_load_round_trip_and_target_check(target, preset, tmp_path):
     head = objective_for(target, preset, ttt_steps=2).build_draft().eval()
     head.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["draftsmith_kind"] == "eagle" and saved["layer_id_convention"] == LAYER_ID_CONVENTION
+    assert saved["draftsmith_kind"] == preset and saved["layer_id_convention"] == LAYER_ID_CONVENTION
     assert saved["target"] == target.record() and saved["ttt_steps"] == 2
     loaded = EagleHead.from_pretrained(tmp_path).eval()
     assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
@@ -179,7 +179,7 @@ def test_save_load_round_trip_and_target_check(target, preset, tmp_path):
     )
 
     with pytest.raises(ValueError, match="checkpoint directory"):
-        build_drafter("eagle", target)
+        build_drafter(preset, target)
 
     other = tiny_target("qwen2" if target.config.model_type == "llama" else "llama", layers=8)
     with pytest.raises(ValueError, match=rf"{target.name}.*{other.name}.*model_type"):

@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM
 from draftsmith.cli import main
 from draftsmith.decode.features import capture_layers
 from draftsmith.draft_checkpoint import locate_checkpoint
-from draftsmith.drafts import small_lm
+from draftsmith.drafts import distill
 from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
 from draftsmith.export import export_checkpoint
-from draftsmith.export_verify import ExportVerificationError, verify_export
+from draftsmith.export.verify import ExportVerificationError, verify_export
 
 DRAFT_VOCAB = 120
 
@@ -162,7 +162,7 @@ def test_an_unordered_head_read_without_the_fc_permutation_gives_other_logits(
     target, eagle_heads, tmp_path, monkeypatch
 ):
     """The check above can fail: fc's columns left in the head's order are read against ascending states."""
-    from draftsmith import eagle_export
+    from draftsmith.export import eagle as eagle_export
 
     monkeypatch.setattr(eagle_export, "ascending_capture", lambda ids, fc: (sorted(ids), fc))
     folder = eagle_heads["unordered"]
@@ -287,10 +287,10 @@ def test_a_head_reading_one_layer_twice_is_refused(target, tmp_path):
 
 @pytest.fixture(scope="module")
 def small_draft(target, tmp_path_factory):
-    draft = small_lm.from_config(target, 2, 32, seed=0).eval()
+    draft = distill.from_config(target, 2, 32, seed=0).eval()
     run = tmp_path_factory.mktemp("small")
     (run / "config.yaml").write_text("draft: {kind: distill}\n")
-    return draft, small_lm.save_draft(draft, target.tokenizer, target, run / "draft")
+    return draft, distill.save_draft(draft, target.tokenizer, target, run / "draft")
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm", "sglang"])

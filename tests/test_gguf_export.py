@@ -7,11 +7,12 @@ import torch
 from tiny import tiny_bpe_target_gguf, tiny_bpe_tokenizer, tiny_model, tiny_target
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith import gguf_export, llamacpp
+from draftsmith import llamacpp
 from draftsmith.cli import main
 from draftsmith.decode.target import Target
-from draftsmith.drafts import small_lm
-from draftsmith.export_verify import ExportVerificationError, verify_export
+from draftsmith.drafts import distill
+from draftsmith.export import gguf as gguf_export
+from draftsmith.export.verify import ExportVerificationError, verify_export
 from draftsmith.loading import tokenizer_fingerprint
 
 TEXT = "The quick <|im_start|>brown dog<|im_end|> def add(a, b): return a + b"
@@ -21,9 +22,9 @@ TEXT = "The quick <|im_start|>brown dog<|im_end|> def add(a, b): return a + b"
 def draft_dir(tmp_path_factory):
     tokenizer = tiny_bpe_tokenizer()
     target = Target(tiny_model("llama", vocab_size=len(tokenizer)), tokenizer, "tiny-bpe")
-    draft = small_lm.from_config(target, 2, 32, seed=0).eval()
+    draft = distill.from_config(target, 2, 32, seed=0).eval()
     run = tmp_path_factory.mktemp("run")
-    return small_lm.save_draft(draft, tokenizer, target, run / "draft")
+    return distill.save_draft(draft, tokenizer, target, run / "draft")
 
 
 def load_back(path):
@@ -78,14 +79,14 @@ def test_verifier_refuses_a_gguf_with_a_missing_or_renamed_tensor(draft_dir, tmp
 
 def test_gguf_refuses_other_architectures_and_tokenizers_without_merges(tmp_path):
     qwen = tiny_target("qwen2")
-    path = small_lm.save_draft(
-        small_lm.from_config(qwen, 1, 32, seed=0), qwen.tokenizer, qwen, tmp_path / "qwen"
+    path = distill.save_draft(
+        distill.from_config(qwen, 1, 32, seed=0), qwen.tokenizer, qwen, tmp_path / "qwen"
     )
     with pytest.raises(ValueError, match="Llama-architecture"):
         gguf_export.write_gguf(path, tmp_path / "q.gguf")
     llama = tiny_target("llama")  # tests/tiny.py's byte tokenizer has no merges
-    path = small_lm.save_draft(
-        small_lm.from_config(llama, 1, 32, seed=0), llama.tokenizer, llama, tmp_path / "l"
+    path = distill.save_draft(
+        distill.from_config(llama, 1, 32, seed=0), llama.tokenizer, llama, tmp_path / "l"
     )
     with pytest.raises(ValueError, match="no merges"):
         gguf_export.write_gguf(path, tmp_path / "l.gguf")
@@ -121,8 +122,8 @@ def test_smollm2_draft_gguf_carries_the_target_tokenizer(tmp_path):
     from draftsmith.loading import smollm2_gguf_path
 
     target = load_target("smollm2-135m-instruct", device="cpu")
-    draft = small_lm.from_target_layers(target, [0]).eval()
-    path = small_lm.save_draft(draft, target.tokenizer, target, tmp_path / "draft")
+    draft = distill.from_target_layers(target, [0]).eval()
+    path = distill.save_draft(draft, target.tokenizer, target, tmp_path / "draft")
     gguf_file = gguf_export.write_gguf(path, tmp_path / "d.gguf", "q8_0", smollm2_gguf_path())
     assert verify_export(gguf_file, "gguf")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file=gguf_file.name)
@@ -151,7 +152,7 @@ def test_a_pre_tokenizer_llama_cpp_cannot_be_told_is_refused(tmp_path):
         [pre_tokenizers.Punctuation(), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     target = Target(tiny_model("llama", vocab_size=len(tokenizer)), tokenizer, "tiny-bpe")
-    path = small_lm.save_draft(small_lm.from_config(target, 1, 32, seed=0), tokenizer, target, tmp_path / "d")
+    path = distill.save_draft(distill.from_config(target, 1, 32, seed=0), tokenizer, target, tmp_path / "d")
     with pytest.raises(ValueError, match="cannot name for llama.cpp.*--target-gguf"):
         gguf_export.write_gguf(path, tmp_path / "d.gguf")
     assert not (tmp_path / "d.gguf").exists()

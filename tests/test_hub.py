@@ -8,8 +8,8 @@ import pytest
 from huggingface_hub import errors as hub_errors
 from tiny import tiny_target
 
-from draftsmith.draft_checkpoint import EAGLE, SMALL_LM, locate_checkpoint
-from draftsmith.drafts import small_lm
+from draftsmith.draft_checkpoint import locate_checkpoint
+from draftsmith.drafts import distill
 from draftsmith.hub import is_hub_id, resolve_pretrained
 
 
@@ -37,8 +37,8 @@ class FakeHub:
 @pytest.fixture()
 def draft_repo(tmp_path):
     target = tiny_target("llama")
-    return small_lm.save_draft(
-        small_lm.from_config(target, 1, 16, seed=0), target.tokenizer, target, tmp_path / "snap"
+    return distill.save_draft(
+        distill.from_config(target, 1, 16, seed=0), target.tokenizer, target, tmp_path / "snap"
     )
 
 
@@ -73,7 +73,9 @@ def test_offline_and_missing_ids_are_clear_errors(monkeypatch):
 def test_checkpoints_can_be_hub_ids(draft_repo, tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", FakeHub({"org/draft": draft_repo}, set()))
     ckpt = locate_checkpoint("org/draft")
-    assert ckpt.kind == SMALL_LM and ckpt.draft_dir == draft_repo and ckpt.target["name"] == "tiny-llama"
+    assert (
+        ckpt.kind.name == "distill" and ckpt.draft_dir == draft_repo and ckpt.target["name"] == "tiny-llama"
+    )
     head_dir = tmp_path / "head"
     from draftsmith.drafts.eagle import EagleConfig, EagleHead
 
@@ -81,4 +83,4 @@ def test_checkpoints_can_be_hub_ids(draft_repo, tmp_path, monkeypatch):
         head_dir
     )
     monkeypatch.setattr(huggingface_hub, "snapshot_download", FakeHub({"org/head": head_dir}, {"org/head"}))
-    assert locate_checkpoint("org/head").kind == EAGLE
+    assert locate_checkpoint("org/head").kind.name == "eagle3"

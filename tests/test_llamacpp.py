@@ -14,14 +14,15 @@ import torch
 from tiny import tiny_bpe_target_gguf
 from transformers import AutoModelForCausalLM
 
-from draftsmith import gguf_export, llamacpp
+from draftsmith import llamacpp
 from draftsmith.decode.speculative import generate
 from draftsmith.draft_checkpoint import locate_checkpoint
-from draftsmith.drafts import small_lm
+from draftsmith.drafts import distill
 from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 from draftsmith.export import export_checkpoint
-from draftsmith.export_verify import verify_export
+from draftsmith.export import gguf as gguf_export
+from draftsmith.export.verify import verify_export
 
 pytestmark = pytest.mark.skipif(
     not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})"
@@ -40,8 +41,8 @@ def tiny(tmp_path_factory):
     """The tiny target as a transformers Target and as an f32 GGUF; a small draft of it as a GGUF."""
     root = tmp_path_factory.mktemp("llamacpp")
     target, target_gguf = tiny_bpe_target_gguf(root)
-    draft = small_lm.from_config(target, 2, 32, seed=1).eval()
-    draft_dir = small_lm.save_draft(draft, target.tokenizer, target, root / "small" / "draft")
+    draft = distill.from_config(target, 2, 32, seed=1).eval()
+    draft_dir = distill.save_draft(draft, target.tokenizer, target, root / "small" / "draft")
     draft_gguf = export_checkpoint(locate_checkpoint(str(draft_dir)), "gguf", root / "small.gguf", "f32")
     return {
         "root": root,

@@ -14,8 +14,8 @@ from draftsmith.decode.sampling import Sampling
 from draftsmith.decode.speculative import generate
 from draftsmith.decode.tree import TreeSpec
 from draftsmith.decode.tree_decode import generate_tree
-from draftsmith.drafts.base import build_drafter
-from draftsmith.drafts.medusa import MedusaConfig, MedusaDrafter, MedusaHeads, check_target
+from draftsmith.drafts.base import build_drafter, check_target
+from draftsmith.drafts.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
 from draftsmith.train.config import load_config
 from draftsmith.train.registry import build_objective
 
@@ -72,10 +72,10 @@ def test_save_load_round_trip_and_target_check(target, tmp_path):
         build_drafter("medusa", target)
 
     other = tiny_target("qwen2" if target.config.model_type == "llama" else "llama", layers=4)
-    with pytest.raises(ValueError, match=rf"Medusa heads were trained for.*{target.name}.*{other.name}"):
+    with pytest.raises(ValueError, match=rf"Medusa draft was trained for.*{target.name}.*{other.name}"):
         build_drafter(str(tmp_path), other)
     with pytest.raises(ValueError, match="num_hidden_layers differs"):
-        check_target(loaded.config, tiny_target(target.config.model_type, layers=3))
+        check_target(loaded.config.target, tiny_target(target.config.model_type, layers=3), "Medusa draft")
 
 
 def test_options_are_checked(target):

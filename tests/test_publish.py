@@ -16,10 +16,10 @@ from draftsmith.cli import main
 from draftsmith.decode.sampling import Sampling
 from draftsmith.decode.speculative import generate
 from draftsmith.draft_checkpoint import locate_checkpoint
-from draftsmith.drafts import small_lm
+from draftsmith.drafts import distill
 from draftsmith.drafts.base import build_drafter
 from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
-from draftsmith.model_card import find_report
+from draftsmith.publish.card import find_report
 
 TOKEN = "hf_sentinelTOKENnever0to1be2written"
 RECIPE = "target:\n  spec: tiny\ndata:\n  paths: [prompts.jsonl, org/chat-data]\ndraft:\n  kind: eagle3\n"
@@ -49,8 +49,8 @@ def run(target, tmp_path_factory):
     head.set_vocab_map(*build_vocab_map(torch.rand(target.vocab_size), 120))
     head.init_from_target(target.model)
     head.save_pretrained(root / "run" / "draft")
-    small = small_lm.from_target_layers(target, [0, 1]).eval()
-    small_lm.save_draft(small, target.tokenizer, target, root / "small" / "draft")
+    small = distill.from_target_layers(target, [0, 1]).eval()
+    distill.save_draft(small, target.tokenizer, target, root / "small" / "draft")
     for name in ("run", "small"):
         (root / name / "config.yaml").write_text(RECIPE)
     tiny_model("llama", layers=8).save_pretrained(root / "target")

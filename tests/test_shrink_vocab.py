@@ -73,4 +73,4 @@ def test_cli_refuses_another_targets_tokenizer(setup, capsys):
     code = main(
         ["shrink-vocab", str(other), "--size", "30", "--data", str(data), "--out", str(tmp_path / "x")]
     )
-    assert code == 2 and "is a causal_lm draft" in capsys.readouterr().err
+    assert code == 2 and "is a distilled small draft (distill)" in capsys.readouterr().err

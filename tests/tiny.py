@@ -98,7 +98,7 @@ def tiny_bpe_target_gguf(root):
     """An 8-layer tiny Llama target on ``tiny_bpe_tokenizer`` and its F32 GGUF (written under ``root``):
     the same model for transformers and for llama.cpp."""
     from draftsmith.decode.target import Target
-    from draftsmith.gguf_export import write_gguf
+    from draftsmith.export.gguf import write_gguf
 
     tokenizer = tiny_bpe_tokenizer()
     target = Target(tiny_model("llama", vocab_size=len(tokenizer), layers=8), tokenizer, "tiny-bpe")

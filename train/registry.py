@@ -1,7 +1,7 @@
-"""The registry of draft kinds for the one training loop: ``draft.kind`` → the objective that trains it.
+"""``draft.kind`` → the objective that trains it, for the one training loop.
 
-A kind's module registers a factory with ``@register_objective(kind)``; ``build_objective`` imports
-the module on first use (``_PROVIDERS``), so reading or checking a config never imports torch.
+The kinds and their names are ``drafts/base.py``'s records; a record names the module of its training
+objective, which registers a factory with ``@register_objective(kind)`` when it is first imported.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import importlib
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from draftsmith.drafts.base import draft_kind, kind_names
 
 if TYPE_CHECKING:
     import torch
@@ -31,14 +33,6 @@ ObjectiveFactory = Callable[["Target", dict[str, Any], "torch.Tensor | None"], "
 
 _OBJECTIVES: dict[str, ObjectiveFactory] = {}
 _OPTION_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {}
-# the module that registers each kind with @register_objective, imported on first use so that
-# reading a config never imports torch
-_PROVIDERS: dict[str, str] = {
-    "distill": "draftsmith.train.objectives.distill",
-    "eagle1": "draftsmith.train.objectives.eagle",
-    "eagle3": "draftsmith.train.objectives.eagle",
-    "medusa": "draftsmith.train.objectives.medusa",
-}
 
 
 def register_objective(
@@ -57,10 +51,17 @@ def register_objective(
 
 
 def _provide(kind: str) -> None:
-    if kind not in _OBJECTIVES and kind in _PROVIDERS:
-        importlib.import_module(_PROVIDERS[kind])
-    if kind not in _OBJECTIVES:
+    if kind in _OBJECTIVES:
+        return
+    if kind not in kind_names():
         raise unknown_key(kind, objective_kinds(), "draft.kind (no such draft kind)")
+    record = draft_kind(kind)
+    if record.objective is None:
+        raise ValueError(
+            f"draft.kind {kind!r} is a {record.title}: it needs no training. Trainable kinds: "
+            f"{', '.join(objective_kinds())}"
+        )
+    importlib.import_module(record.objective)
 
 
 def check_objective_options(kind: str, options: dict[str, Any]) -> None:
@@ -71,7 +72,8 @@ def check_objective_options(kind: str, options: dict[str, Any]) -> None:
 
 
 def objective_kinds() -> list[str]:
-    return sorted(set(_OBJECTIVES) | set(_PROVIDERS))
+    """Every kind with a training objective (the drafts' records, plus objectives registered directly)."""
+    return sorted(set(_OBJECTIVES) | {k for k in kind_names() if draft_kind(k).objective})
 
 
 def build_objective(kind: str, target: Target, options: dict[str, Any], token_counts=None) -> Objective:

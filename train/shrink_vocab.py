@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from draftsmith import files
+    from draftsmith.drafts.base import kind_of_checkpoint
     from draftsmith.drafts.eagle import EagleHead
-    from draftsmith.drafts.loading import kind_of_checkpoint
     from draftsmith.loading import resolve_model_path, tokenizer_fingerprint
     from draftsmith.train.data import build_dataset
     from draftsmith.train.loop import count_tokens
@@ -72,10 +72,11 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(
             f"{head_dir} is not a head directory saved by `draftsmith train` (no config.json)"
         )
-    kind = kind_of_checkpoint(str(head_dir))
-    if kind != "eagle":
+    kind = kind_of_checkpoint(head_dir)
+    if kind.name != "eagle3":
         raise ValueError(
-            f"{head_dir} is a {kind} draft; shrink-vocab works on EAGLE-3 heads (their own draft LM head)"
+            f"{head_dir} is a {kind.title} ({kind.name}); shrink-vocab works on EAGLE-3 heads (their own draft "
+            "LM head)"
         )
     if out.exists():
         raise FileExistsError(f"{out} exists; pass a new --out directory (nothing was written)")

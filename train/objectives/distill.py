@@ -1,6 +1,6 @@
 """DistillSpec-style distillation of a small causal-LM draft (``draft.kind: distill``).
 
-The draft is an ordinary causal LM on the target's tokenizer (``drafts/small_lm.py``), trained to
+The draft is an ordinary causal LM on the target's tokenizer (``drafts/distill.py``), trained to
 match the target's next-token distribution with one of the divergences of ``train/losses.py``.
 Alignment: the draft's and the teacher's logits at position t both predict token t + 1, so
 position t is learnt when token t + 1 is a real assistant token (``next_token_mask``).
@@ -33,7 +33,7 @@ from transformers import DynamicCache
 
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.target import Target
-from draftsmith.drafts import small_lm
+from draftsmith.drafts import distill
 from draftsmith.loading import resolve_dtype
 from draftsmith.train.data import collate
 from draftsmith.train.losses import LOSSES, TokenLoss, distillation_loss, teacher_labels, token_count
@@ -166,7 +166,7 @@ class DistillObjective(Objective):
         o, target = self.options, self.target
         dtype = resolve_dtype(o["dtype"])
         if o["init"] == "config":
-            model = small_lm.from_config(
+            model = distill.from_config(
                 target,
                 int(o["num_layers"]),
                 o["hidden_size"],
@@ -177,11 +177,11 @@ class DistillObjective(Objective):
         elif o["init"] == "target_layers":
             total = int(target.config.num_hidden_layers)
             ids = o["layer_ids"] if o["layer_ids"] is not None else evenly_spaced(int(o["num_layers"]), total)
-            model = small_lm.from_target_layers(target, [int(i) for i in ids], dtype=dtype)
+            model = distill.from_target_layers(target, [int(i) for i in ids], dtype=dtype)
         else:
-            model = small_lm.from_pretrained_draft(str(o["path"]), target, dtype=dtype)
+            model = distill.from_pretrained_draft(str(o["path"]), target, dtype=dtype)
         if o["lora"] is not None:
-            model = small_lm.apply_lora(model, **dict(o["lora"]))
+            model = distill.apply_lora(model, **dict(o["lora"]))
         return model
 
     def _teacher(self, teacher: Teacher) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -269,8 +269,8 @@ class DistillObjective(Objective):
         return chain_run_lengths(logits.argmax(-1) == greedy, mask, k), starts
 
     def save(self, draft: nn.Module, directory: Path) -> None:
-        """A plain causal-LM directory (loads as a ``causal_lm`` draft) recording its target."""
-        small_lm.save_draft(draft, self.target.tokenizer, self.target, directory, merge=self.merge_lora)
+        """A plain causal-LM directory (loads as a ``distill`` draft) recording its target."""
+        distill.save_draft(draft, self.target.tokenizer, self.target, directory, merge=self.merge_lora)
 
 
 def check_distill_options(options: dict[str, Any]) -> None:

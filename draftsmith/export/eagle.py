@@ -15,7 +15,6 @@ the auxiliary layer ids live and what they count.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from safetensors.torch import save_file
 
 from draftsmith import files
 from draftsmith.decode.features import LAYER_ID_CONVENTION
-from draftsmith.draft_checkpoint import EAGLE, DraftCheckpoint
+from draftsmith.draft_checkpoint import DraftCheckpoint
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 SOURCE_KEY = "draftsmith_source"
@@ -234,18 +233,14 @@ def source_record(config: dict, engine: str) -> dict:
 
 
 def export_eagle(ckpt: DraftCheckpoint, out: Path, engine: str) -> Path:
-    """Write ``ckpt`` (an EAGLE head) as the folder ``out`` for ``engine`` (hf, vllm, sglang, speculators)."""
-    if ckpt.kind != EAGLE:
-        raise ValueError(f"{ckpt.draft_dir} is not an EAGLE head")
-    if engine == "hf":  # draftsmith's own transformers layout: EagleHead.from_pretrained reads it
-        sources = [ckpt.draft_dir / "config.json", *sorted(ckpt.draft_dir.glob("*.safetensors"))]
-        sources += sorted(ckpt.draft_dir.glob("*.safetensors.index.json"))
-        return files.replace_dir(out, lambda tmp: [shutil.copyfile(f, tmp / f.name) for f in sources])
+    """Write ``ckpt`` (an EAGLE head) as the folder ``out`` for ``engine`` (vllm, sglang, speculators)."""
+    if ckpt.kind.family != "eagle":
+        raise ValueError(f"{ckpt.draft_dir} is a {ckpt.kind.title}, not an EAGLE head")
     check_exportable(ckpt.config, engine)
     weights = reference_weights(read_weights(ckpt.draft_dir), ckpt.config, engine)
     dtype = weights["fc.weight"].dtype
     if engine == "speculators":
-        from draftsmith.speculators_export import speculators_config, speculators_weights
+        from draftsmith.export.speculators import speculators_config, speculators_weights
 
         config = speculators_config(ckpt.config, dtype, source_record(ckpt.config, engine))
         weights = speculators_weights(weights)

@@ -9,7 +9,7 @@ derived from the exporter, so a mistake in the exporter shows up as a failed che
   convention, and ``d2t`` as offsets that agree with ``t2d``.
 - EAGLE heads for transformers (``hf``) and distilled drafts: a strict ``from_pretrained`` (no missing,
   unexpected or mis-shaped weights) plus the draft's vocabulary against its target's.
-- GGUF: see ``draftsmith.gguf_verify.verify_gguf``.
+- GGUF: see ``draftsmith.export.gguf_verify.verify_gguf``.
 """
 
 from __future__ import annotations
@@ -295,15 +295,30 @@ def verify_speculators(folder: Path) -> list[str]:
     return problems
 
 
+def _strict_load(cls, folder: Path):
+    """``cls.from_pretrained(folder)`` and the problems of the load: missing, unexpected, mis-shaped weights."""
+    model, info = cls.from_pretrained(str(folder), output_loading_info=True)
+    problems = [
+        f"{kind} weights: {sorted(names)}" for kind, names in info.items() if names and kind != "error_msgs"
+    ]
+    return model, problems + [str(m) for m in info.get("error_msgs") or []]
+
+
+def verify_medusa_hf(folder: Path) -> list[str]:
+    """Problems a Medusa folder for transformers has: a strict from_pretrained and its target record."""
+    from draftsmith.drafts.medusa import MedusaHeads
+
+    heads, problems = _strict_load(MedusaHeads, folder)
+    if not heads.config.target:
+        problems.append("config.target records no target")
+    return problems
+
+
 def verify_eagle_hf(folder: Path) -> list[str]:
     """Problems an EAGLE head folder for transformers has: strict from_pretrained, layer ids, vocab maps."""
     from draftsmith.drafts.eagle import EagleHead
 
-    head, info = EagleHead.from_pretrained(str(folder), output_loading_info=True)
-    problems = [
-        f"{kind} weights: {sorted(names)}" for kind, names in info.items() if names and kind != "error_msgs"
-    ]
-    problems += [str(m) for m in info.get("error_msgs") or []]
+    head, problems = _strict_load(EagleHead, folder)
     cfg = head.config
     n_layers = (cfg.target or {}).get("num_hidden_layers")
     if n_layers is None:
@@ -332,10 +347,8 @@ def verify_causal_lm(folder: Path, engine: str) -> list[str]:
         )
     if problems:
         return problems
-    model, info = AutoModelForCausalLM.from_pretrained(str(folder), output_loading_info=True)
-    problems += [
-        f"{kind} weights: {sorted(names)}" for kind, names in info.items() if names and kind != "error_msgs"
-    ]
+    model, loaded = _strict_load(AutoModelForCausalLM, folder)
+    problems += loaded
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     vocab = model.get_output_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:
@@ -352,7 +365,7 @@ def verify_export(folder: str | Path, engine: str) -> list[str]:
     """Check ``folder`` as an export for ``engine``; return what was checked, raise with every problem."""
     folder = Path(folder)
     if engine == "gguf":
-        from draftsmith.gguf_verify import verify_gguf
+        from draftsmith.export.gguf_verify import verify_gguf
 
         problems = verify_gguf(folder)
         kind = "GGUF file"
@@ -373,18 +386,20 @@ def verify_export(folder: str | Path, engine: str) -> list[str]:
             else:
                 problems = verify_eagle3_engine(folder, engine)
             kind = "EAGLE-3 head"
-        elif config.get("draftsmith_kind") == "eagle":
-            problems = (
-                verify_eagle_hf(folder)
-                if engine == "hf"
-                else [
-                    f"{folder} is draftsmith's transformers layout, not {engine}'s; export it with --to {engine}"
-                ]
-            )
-            kind = "EAGLE head"
         else:
-            problems = verify_causal_lm(folder, engine)
-            kind = "causal-LM draft"
+            from draftsmith.drafts.base import kind_of_config
+
+            record = kind_of_config(config)
+            kind = record.title
+            if record.family == "causal_lm":
+                problems = verify_causal_lm(folder, engine)
+            elif engine != "hf":
+                problems = [
+                    f"{folder} is draftsmith's transformers layout of a {record.title}, not {engine}'s; export it "
+                    f"with --to {engine}"
+                ]
+            else:
+                problems = verify_eagle_hf(folder) if record.family == "eagle" else verify_medusa_hf(folder)
     if problems:
         raise ExportVerificationError(
             f"{folder} is not a valid {engine} export:\n" + "\n".join(f"  - {p}" for p in problems)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from draftsmith.draft_checkpoint import EAGLE, DraftCheckpoint
+from draftsmith.draft_checkpoint import DraftCheckpoint
 from draftsmith.hub import HUB_ID, KNOWN_TARGETS, hub_id_of_target
 
 PLOT_NAME = "acceptance.png"
@@ -222,11 +222,13 @@ def usage_section(ckpt: DraftCheckpoint, repo_id: str, base_model: str) -> list[
         "```",
         "",
     ]
-    if ckpt.kind == EAGLE:
+    family = ckpt.kind.family
+    if family in ("eagle", "medusa"):
         lines += [
             "### transformers",
             "",
-            "transformers has no EAGLE-3 assistant; the head is a `PreTrainedModel` that draftsmith's decoder runs:",
+            f"transformers has no assistant of this kind; the {ckpt.kind.title} is a `PreTrainedModel` that draftsmith's "
+            "decoder runs:",
             "",
             "```python",
             "from draftsmith.decode.speculative import generate",
@@ -241,6 +243,15 @@ def usage_section(ckpt: DraftCheckpoint, repo_id: str, base_model: str) -> list[
             "print(target.tokenizer.decode(out.tokens))",
             "```",
             "",
+        ]
+        if "vllm" not in ckpt.kind.exports:  # Medusa drafts, EAGLE-1 heads
+            return lines + [
+                "### vLLM, SGLang, llama.cpp",
+                "",
+                f"Not served there: {ckpt.kind.refusals['vllm']}.",
+                "",
+            ]
+        lines += [
             "### vLLM",
             "",
             "```bash",
@@ -330,12 +341,11 @@ def render_card(
     recipe: str | None,
 ) -> str:
     """README.md: YAML metadata, then what the draft is, its measured numbers, its recipe and its usage."""
-    kind = f"EAGLE-3 head ({ckpt.preset})" if ckpt.kind == EAGLE else "distilled small draft model"
-    tags = ["speculative-decoding", "draft-model", "draftsmith"]
-    tags.append(ckpt.preset or "eagle" if ckpt.kind == EAGLE else "distillation")
+    kind, family = ckpt.kind.title, ckpt.kind.family
+    tags = ["speculative-decoding", "draft-model", "draftsmith", ckpt.kind.name]
     meta: dict = {
         "base_model": base_model,
-        "library_name": "draftsmith" if ckpt.kind == EAGLE else "transformers",
+        "library_name": "transformers" if family == "causal_lm" else "draftsmith",
         "license": license,
         "tags": tags,
         "pipeline_tag": "text-generation",
@@ -354,16 +364,20 @@ def render_card(
         f"{target.get('hidden_size')}, vocabulary {target.get('vocab_size')}, tokenizer fingerprint "
         f"`{target.get('tokenizer_fingerprint')}`)",
     ]
-    if ckpt.kind == EAGLE:
-        c = ckpt.config
-        lines += [
+    c = ckpt.config
+    if family in ("eagle", "medusa"):
+        lines.append(
             f"- reads target layers {c.get('capture_layer_ids')} ({c.get('layer_id_convention')}: output of decoder "
-            "layer i, 0-based, before the final norm)",
+            "layer i, 0-based, before the final norm)"
+        )
+    if family == "eagle":
+        lines.append(
             f"- draft vocabulary: {c.get('draft_vocab_size')} of the target's {c.get('vocab_size')} tokens "
-            "(`d2t`: absolute target ids, ascending; `t2d`: mask over the target vocabulary)",
-        ]
+            "(`d2t`: absolute target ids, ascending; `t2d`: mask over the target vocabulary)"
+        )
+    elif family == "medusa":
+        lines.append(f"- {c.get('num_heads')} heads of {c.get('num_layers')} residual blocks each")
     else:
-        c = ckpt.config
         lines.append(
             f"- architecture {c.get('architectures')}, {c.get('num_hidden_layers')} layers, hidden size "
             f"{c.get('hidden_size')}"

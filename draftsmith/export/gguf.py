@@ -34,7 +34,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from draftsmith import files
-from draftsmith.eagle_export import (
+from draftsmith.export.eagle import (
     NAME_MAP,
     ascending_capture,
     check_exportable,
@@ -324,7 +324,7 @@ def write_gguf(
     return _write_file(out_file, "llama", fill)
 
 
-# reference EAGLE-3 name (draftsmith.eagle_export.NAME_MAP's values) -> llama.cpp eagle3 tensor name
+# reference EAGLE-3 name (draftsmith.export.eagle.NAME_MAP's values) -> llama.cpp eagle3 tensor name
 EAGLE3_NAMES = {
     "fc.weight": "fc.weight",
     "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",

@@ -16,7 +16,7 @@ from pathlib import Path
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
 from draftsmith.hub import HUB_ID
-from draftsmith.model_card import (
+from draftsmith.publish.card import (
     PLOT_NAME,
     base_model_of,
     find_report,
@@ -287,6 +287,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {path}  ({(folder / path).stat().st_size:,} bytes)")
     if args.dry_run:
         return 0
-    message = args.commit_message or f"Upload {ckpt.preset or 'distilled'} draft with draftsmith"
+    message = args.commit_message or f"Upload {ckpt.kind.title} ({ckpt.kind.name}) with draftsmith"
     print(f"pushed: {push_folder(folder, args.repo_id, args.private, args.revision, message)}")
     return 0

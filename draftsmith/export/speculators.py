@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eagle_export import SOURCE_KEY, decoder_fields, engine_layer_ids
+from draftsmith.export.eagle import SOURCE_KEY, decoder_fields, engine_layer_ids
 
 ARCHITECTURE = "Eagle3Speculator"
 SCHEMA_VERSION = "0.9.0"

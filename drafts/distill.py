@@ -1,4 +1,5 @@
-"""Small causal-LM drafts on the target's tokenizer, built to be distilled (DistillSpec-style).
+"""The ``distill`` kind: small causal-LM drafts on the target's tokenizer (DistillSpec-style), and any
+other causal LM on that tokenizer used as an independent draft.
 
 Three ways to get one, all returning an ordinary trainable ``PreTrainedModel``:
 
@@ -9,13 +10,16 @@ Three ways to get one, all returning an ordinary trainable ``PreTrainedModel``:
 - ``from_pretrained_draft``: an existing model that shares the target's vocabulary.
 
 ``save_draft`` writes a plain transformers directory (``AutoModelForCausalLM`` loads it, it works
-as ``assistant_model`` and as ``draftsmith eval --draft DIR``) that records its target under
-``draftsmith_target`` in ``config.json``. LoRA adapters come from peft (``apply_lora``).
+as ``assistant_model`` and as ``draftsmith eval --draft DIR``) that records its kind and its target
+under ``draftsmith_kind`` / ``draftsmith_target`` in ``config.json``. LoRA adapters come from peft
+(``apply_lora``). A draft is used with any target of the same tokenizer (decoding stays lossless), with
+a warning when it was distilled for another one.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,10 +30,48 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from draftsmith import files
 from draftsmith.decode.features import decoder_layers
 from draftsmith.decode.target import Target
-from draftsmith.drafts.causal_lm import check_same_vocabulary
-from draftsmith.loading import load_causal_lm
+from draftsmith.drafts.base import DRAFT_KIND_KEY, DraftKind, register
+from draftsmith.drafts.model_drafter import ModelDrafter
+from draftsmith.loading import load_causal_lm, tokenizer_fingerprint
 
 TARGET_KEY = "draftsmith_target"
+
+
+def check_same_vocabulary(target, draft_model, draft_tokenizer, draft_name: str) -> None:
+    """Refuse a draft whose token ids mean something else than the target's."""
+    draft_vocab = int(draft_model.get_output_embeddings().weight.shape[0])
+    if draft_vocab != target.vocab_size:
+        raise ValueError(
+            f"draft {draft_name!r} has a vocabulary of {draft_vocab} logits but target {target.name!r} has "
+            f"{target.vocab_size}: speculative decoding needs the same tokenizer and vocabulary. "
+            "Use a draft from the target's model family, or distill one with `draftsmith train`."
+        )
+    ours = tokenizer_fingerprint(draft_tokenizer, include_template=False)
+    theirs = tokenizer_fingerprint(target.tokenizer, include_template=False)
+    if ours != theirs:
+        raise ValueError(
+            f"draft {draft_name!r} and target {target.name!r} have tokenizers with different vocabularies "
+            f"(fingerprints {ours} vs {theirs}): the same id would mean different text. "
+            "Use a draft trained on the target's tokenizer."
+        )
+
+
+def warn_if_distilled_for_another_target(target, draft_config, draft_name: str) -> None:
+    """A distilled draft records its target; on another one it stays lossless but was not tuned for it."""
+    saved = getattr(draft_config, "draftsmith_target", None)
+    if not saved:
+        return
+    current = target.record()
+    differs = [
+        f for f in ("model_type", "hidden_size", "num_hidden_layers") if saved.get(f) != current.get(f)
+    ]
+    if differs:
+        warnings.warn(
+            f"draft {draft_name!r} was distilled for target {saved.get('name')!r}, not {current.get('name')!r} "
+            f"({', '.join(f'{f} {saved.get(f)} vs {current.get(f)}' for f in differs)}): decoding stays lossless, "
+            "but expect lower acceptance than with a draft distilled for this target",
+            stacklevel=2,
+        )
 
 
 def _new_config(target: Target, **changes):
@@ -190,7 +232,7 @@ def _write(model: nn.Module, tokenizer, target: Target, out: Path, merge: bool) 
             model.save_pretrained(out)
     else:
         plain = model
-    plain.config.update({TARGET_KEY: target.record()})
+    plain.config.update({DRAFT_KIND_KEY: "distill", TARGET_KEY: target.record()})
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -206,3 +248,16 @@ def save_draft(
     existing one is replaced.
     """
     return files.replace_dir(directory, lambda tmp: _write(model, tokenizer, target, tmp, merge))
+
+
+def _build(target, spec: str) -> ModelDrafter:
+    model, tokenizer, name = load_causal_lm(spec, device=target.device, dtype=target.dtype)
+    check_same_vocabulary(target, model, tokenizer, name)
+    warn_if_distilled_for_another_target(target, model.config, name)
+    return ModelDrafter(model, name=name)
+
+
+register(DraftKind("distill", "distilled small draft", _build, "causal_lm", objective="draftsmith.train.objectives.distill",
+                   exports=("hf", "vllm", "sglang", "gguf"), target_key=TARGET_KEY, refusals={"speculators": (
+                       "the speculators format holds EAGLE-3 heads; a distilled draft is an ordinary causal LM: "
+                       "export it with --to vllm (vLLM's draft_model method loads the transformers directory)")}))  # fmt: skip

@@ -1,0 +1,90 @@
+"""Drafts in the layouts serving engines load: transformers (``hf``), vLLM, SGLang, speculators, GGUF.
+
+``export_checkpoint`` dispatches on the draft's kind (``drafts/base.py``: which engines it exports to,
+and why it refuses the others) and family: EAGLE heads (``eagle.py``, ``speculators.py``, ``gguf.py``),
+ordinary causal LMs (the transformers directory, or ``gguf.py``), Medusa (the transformers directory).
+Every export is checked afterwards by ``verify.py`` against what that engine's loader reads; a real
+llama.cpp judges the GGUF files (tests/test_llamacpp.py). Loader versions and conventions:
+docs/EXPORT.md.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from draftsmith import files
+from draftsmith.draft_checkpoint import DraftCheckpoint
+from draftsmith.export.verify import ExportVerificationError, verify_export
+
+ENGINES = ("hf", "vllm", "sglang", "speculators", "gguf")
+TRAINING_FILES = {"train_state.json", "train_config.yaml"}
+"""Files in a draft directory that describe the run, not the model: not part of an engine export."""
+
+__all__ = ["ENGINES", "ExportVerificationError", "export_checkpoint", "verify_export"]
+
+
+def copy_draft(ckpt: DraftCheckpoint, out: Path) -> None:
+    """The draft's own directory as it is (weights, config, tokenizer if it has one), minus run records."""
+    for file in sorted(ckpt.draft_dir.iterdir()):
+        if file.is_file() and file.name not in TRAINING_FILES and not file.name.startswith("."):
+            shutil.copyfile(file, out / file.name)
+
+
+def target_gguf_of(ckpt: DraftCheckpoint, given: str | None) -> Path | None:
+    """The GGUF of the draft's target: --target-gguf, the bundled SmolLM2 GGUF for its drafts, a target
+    recorded as a .gguf file, else None."""
+    if given:
+        if not Path(given).is_file():
+            raise FileNotFoundError(f"--target-gguf {given} does not exist")
+        return Path(given)
+    from draftsmith.loading import SMOLLM2_ALIAS, smollm2_gguf_path
+
+    name = str(ckpt.target.get("name") or "")
+    if name == SMOLLM2_ALIAS:
+        return smollm2_gguf_path()
+    if name.endswith(".gguf") and Path(name).is_file():
+        return Path(name)
+    return None
+
+
+def export_checkpoint(
+    ckpt: DraftCheckpoint,
+    engine: str,
+    out: Path,
+    gguf_dtype: str = "f16",
+    target_gguf: str | None = None,
+) -> Path:
+    """Write ``ckpt`` for ``engine`` under ``out``; return the folder (or GGUF file) written."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    name = (ckpt.run_dir or ckpt.draft_dir).resolve().name
+    gguf_file = out if out.suffix == ".gguf" else out / f"{name}-{gguf_dtype}.gguf"
+    ckpt.kind.refuse_export(engine)  # the kind's record says which engines take it, and why not the others
+    family = ckpt.kind.family
+    if engine == "hf":  # draftsmith's own transformers layout, for every kind
+        return files.replace_dir(out, lambda tmp: copy_draft(ckpt, tmp))
+    if family == "eagle" and engine == "gguf":
+        from draftsmith.export.eagle import check_exportable, read_weights
+        from draftsmith.export.gguf import write_eagle3_gguf
+
+        check_exportable(ckpt.config, engine)
+        source = target_gguf_of(ckpt, target_gguf)
+        if source is None:
+            raise ValueError(
+                f"the head's target {ckpt.target.get('name')!r} has no GGUF that draftsmith knows; llama.cpp "
+                "serves an EAGLE-3 head only beside a GGUF of its target. Convert the target with llama.cpp's "
+                "convert_hf_to_gguf.py and pass it with --target-gguf FILE."
+            )
+        return write_eagle3_gguf(
+            ckpt.config, read_weights(ckpt.draft_dir), gguf_file, source, gguf_dtype, name
+        )
+    if family == "eagle":
+        from draftsmith.export.eagle import export_eagle
+
+        return export_eagle(ckpt, out, engine)
+    if engine == "gguf":
+        from draftsmith.export.gguf import write_gguf
+
+        return write_gguf(ckpt.draft_dir, gguf_file, gguf_dtype, target_gguf_of(ckpt, target_gguf))
+    return files.replace_dir(out, lambda tmp: copy_draft(ckpt, tmp))  # vLLM / SGLang read the HF directory
