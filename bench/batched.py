@@ -12,9 +12,7 @@ target alone decoded one prompt at a time. A short untimed warm-up runs every me
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 from draftsmith.decode.batched import generate_batch
 from draftsmith.decode.cpu_kernels import pack_for_decoding
@@ -22,7 +20,7 @@ from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
 from draftsmith.eval.prompts import load_prompts, render
-from draftsmith.eval.report import hardware_description
+from draftsmith.eval.report import hardware_description, write_json
 
 
 def main() -> None:
@@ -87,9 +85,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -15,16 +15,14 @@ chooses here.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from draftsmith.eval.report import hardware_description
+from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.loading import CPU_BF16_FLAGS, bf16_is_fast, cpu_flags
 
 SHAPES = [  # (name, rows, in, out)
@@ -89,9 +87,7 @@ def main() -> None:
     result = {"hardware": hardware_description(torch.device("cpu"), torch.float32), "date": time.strftime("%Y-%m-%d"),
               "threads": torch.get_num_threads(), "bf16_flags": flags, "auto_chooses_bf16": fast,
               "products": rows, "strided_lm_head": strided}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -11,16 +11,14 @@ speedup, both settings measured in the same process, interleaved.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from draftsmith.decode.cpu_kernels import pack_linears, packing_unavailable, unpack_linears
 from draftsmith.decode.target import load_target
-from draftsmith.eval.report import hardware_description
+from draftsmith.eval.report import hardware_description, write_json
 
 
 def main() -> None:
@@ -65,9 +63,7 @@ def main() -> None:
         )
     result = {"target": target.name, "hardware": hardware_description(target.device, target.dtype),
               "date": time.strftime("%Y-%m-%d"), "settings": vars(args), "rows": rows}  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

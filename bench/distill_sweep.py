@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from draftsmith.eval.report import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 RECIPE = ROOT / "configs" / "smollm2_distill.yaml"
@@ -168,9 +170,7 @@ def main() -> None:
         "baseline_tokens_per_s": report["baseline"]["tokens_per_s"],
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

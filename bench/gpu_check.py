@@ -21,10 +21,8 @@ Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-from pathlib import Path
 
 import torch
 
@@ -34,7 +32,8 @@ from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import Target, load_target
 from draftsmith.drafts import build_drafter
 from draftsmith.eval.prompts import load_prompts, render
-from draftsmith.eval.report import hardware_description
+from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.stats import RunStats
 
 LLAMA3_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -81,18 +80,16 @@ def compile_widths(target: Target, prompt: torch.Tensor, k_max: int) -> None:
 
 
 def timed(target: Target, prompts, drafter, k: int, max_new: int) -> dict:
-    tokens, seconds, steps, outputs = 0, 0.0, 0, []
-    verify = 0.0
+    """The prompts decoded one after another; acceptance and timing as eval/stats counts them."""
+    stats, outputs = RunStats(), []
     for ids in prompts:
         result = generate(target, ids, drafter, k=k, max_new_tokens=max_new)
-        tokens += len(result.tokens)
-        seconds += result.seconds
-        steps += len(result.accepted)
-        verify += result.verify_seconds
+        stats = stats + RunStats.from_result(result)
         outputs.append(result.tokens)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "steps": steps,
-            "tau": (tokens - len(prompts)) / steps if steps else 1.0, "verify_seconds": verify,
-            "seconds_per_step": verify / steps if steps else 0.0, "outputs": outputs}  # fmt: skip
+    t, a = stats.timing, stats.acceptance
+    return {"tokens": t.new_tokens, "seconds": t.seconds, "tokens_per_s": t.tokens_per_s, "steps": a.num_steps,
+            "tau": a.tau if a.num_steps else 1.0, "verify_seconds": t.verify_seconds,
+            "seconds_per_step": t.verify_seconds / a.num_steps if a.num_steps else 0.0, "outputs": outputs}  # fmt: skip
 
 
 def part_a(args, device: str) -> list[dict]:
@@ -161,12 +158,13 @@ def part_b(args, device: str) -> list[dict]:
             tokens = sum(r["tokens"] for r in speeds)
             seconds = sum(r["seconds"] for r in speeds)
             steps = sum(r["steps"] for r in speeds)
+            tau = sum(r["tau"] * r["steps"] for r in speeds) / steps  # eval/stats' τ, over all these steps
             verify_step = sum(r["verify_seconds"] for r in speeds) / steps  # a verify pass of k + 1 tokens
             c = (verify_step / plain_step - 1.0) / k
             tau_ideal = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1.0
             measured = (tokens / seconds) / base["tokens_per_s"]
             exact = sum(r["outputs"][0] == references[i + 1] for i, r in enumerate(speeds))
-            rows.append({"part": "B", "k": k, "alpha": alpha, "tau": (tokens - len(speeds)) / steps,
+            rows.append({"part": "B", "k": k, "alpha": alpha, "tau": tau,
                          "tau_ideal": tau_ideal, "c": c, "speedup": measured,
                          "ideal_speedup": tau_ideal / (1 + k * c), "exact": exact, "prompts": len(speeds)})  # fmt: skip
     return rows
@@ -221,9 +219,8 @@ def main() -> None:
         "seconds": time.perf_counter() - start,
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out} ({result['seconds']:.0f} s)")
+    write_json(args.out, result)
+    print(f"({result['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -39,11 +39,12 @@ from tqdm.auto import tqdm
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
-from draftsmith.eval.report import hardware_description
+from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.train.config import load_config
+from draftsmith.train.data import pad_id_of
 from draftsmith.train.feature_cache import FeatureCache, collate_cached
-from draftsmith.train.loop import pad_id_of, prepare_datasets
+from draftsmith.train.loop import prepare_datasets
 from draftsmith.train.objective import decoding_walk
 from draftsmith.train.registry import build_objective
 
@@ -245,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             "hardware": hardware_description(torch.device("cpu"), torch.float32),
             "drafts": results,
         }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.out}")
+        write_json(args.out, report)
     return 0
 
 

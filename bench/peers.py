@@ -16,7 +16,6 @@ Every method warms up on one prompt first. Prints a table, writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
 from draftsmith.drafts.layer_subset import layer_subset_view
 from draftsmith.eval.prompts import load_prompts, render
-from draftsmith.eval.report import hardware_description
+from draftsmith.eval.report import hardware_description, write_json
 
 
 def hf_runner(target, **kwargs):
@@ -162,9 +161,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "methods": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,15 @@ device's peak dense bf16 FLOP/s. Prints a table, writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
-from pathlib import Path
 
 import lightning as L
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from draftsmith.decode.target import load_target
-from draftsmith.eval.report import hardware_description
+from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
 from draftsmith.train.objective import Batch
@@ -165,9 +163,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "runs": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

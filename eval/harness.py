@@ -50,6 +50,8 @@ class MethodResult:
     """Generations whose prompt did not fit the target's context and lost its first tokens (--truncate-prompts)."""
     chosen_k: Counter[int] = field(default_factory=Counter)
     """``k = "auto"`` only: verify steps per k the cost model chose (0 = a plain decoding step)."""
+    policy: object = None
+    """The k policy (or tree budget) the method ran with: a ``CostModel`` holds what it learnt."""
 
     def record(self, category: str, stats: RunStats, outputs: list[list[int]]) -> None:
         self.total = self.total + stats
@@ -110,24 +112,47 @@ def _generate(target, ids, drafter, k, tree, max_new_tokens, sampling, generator
     return generate(target, ids, drafter, k, max_new_tokens, sampling, generator)
 
 
+@dataclass
+class Method:
+    """One way of decoding the prompts: a drafter with its k policy or tree shape (None: ``evaluate``'s)."""
+
+    name: str
+    drafter: Drafter | None
+    k: KPolicy | None = None
+    """Draft tokens per step, ``"auto"`` (a cost model that learns over the timed prompts), or None."""
+    tree: TreeSpec | TreeBudget | None = None
+    """Draft token trees of this shape (or a node budget chosen per step) instead of k-token chains."""
+
+    def fresh_policy(self, k_max: int) -> tuple[KPolicy, TreeSpec | TreeBudget | None]:
+        """The k policy and tree this method starts a run with (a new cost model / budget for adaptive ones)."""
+        k = CostModel(k_max=k_max) if self.k == "auto" else self.k
+        return k, copy.deepcopy(self.tree) if isinstance(self.tree, TreeBudget) else self.tree
+
+    @property
+    def adaptive(self) -> bool:
+        return self.drafter is not None and (
+            self.k == "auto" if self.tree is None else isinstance(self.tree, TreeBudget)
+        )
+
+
 def warm_up(
     target: Target,
-    methods: Sequence[tuple[str, Drafter | None]],
+    methods: Sequence[Method],
     prompts: Sequence[EvalPrompt],
-    k: int | str,
     max_new_tokens: int,
     sampling: Sampling,
     seed: int,
-    tree: TreeSpec | TreeBudget | None = None,
+    k_max: int = 8,
 ) -> None:
-    """One short untimed generation per method and prompt (first turn only): kernels, caches, allocator."""
+    """One short untimed generation per method and prompt (first turn only): kernels, caches, allocator.
+    Adaptive methods warm up on throwaway cost models, so timing starts without what they learnt here."""
     for prompt in prompts:
         ids = render(target.tokenizer, [{"role": "user", "content": prompt.turns[0]}])
-        for _, drafter in methods:
+        for method in methods:
             generator = torch.Generator(device=target.device).manual_seed(seed)
-            throwaway = copy.deepcopy(tree) if isinstance(tree, TreeBudget) else tree
+            k, tree = method.fresh_policy(k_max)
             _generate(
-                target, ids, drafter, k, throwaway, min(max_new_tokens, WARMUP_TOKENS), sampling, generator
+                target, ids, method.drafter, k, tree, min(max_new_tokens, WARMUP_TOKENS), sampling, generator
             )
 
 
@@ -173,9 +198,9 @@ def _short(name: str) -> str:
 
 def evaluate(
     target: Target,
-    drafts: Sequence[tuple[str, Drafter]],
+    drafts: Sequence[tuple[str, Drafter] | Method],
     prompts: Sequence[EvalPrompt],
-    k: int | str = 5,
+    k: KPolicy = 5,
     max_new_tokens: int = 256,
     sampling: Sampling | None = None,
     seed: int = 0,
@@ -185,51 +210,61 @@ def evaluate(
     k_max: int = 8,
     truncate_prompts: bool = False,
 ) -> EvalResult:
-    """Run the target alone and every ``(name, drafter)`` over ``prompts``; compare outputs when greedy.
+    """Run the target alone and every method over ``prompts``; compare outputs when greedy.
 
-    ``sampling``: greedy when None. ``progress``: show a tqdm bar (None = only when stderr is a terminal).
-    ``tree``: draft token trees of this shape (every drafter must support it) instead of k-token chains.
-    ``k="auto"``: each drafter gets one cost model (``decode/cost_model.py``, k in 0..``k_max``) that
-    learns from a fresh start over the timed prompts and keeps what it learned from prompt to prompt;
-    the warm-up runs on throwaway models. A ``TreeBudget`` as ``tree`` works the same way: each drafter
-    gets its own copy, which picks the tree's node budget per step. A prompt that does not fit the
-    target's context is refused before anything runs (``check_context``), unless ``truncate_prompts``:
-    then it keeps its last tokens, counted in each method's ``truncated``.
+    ``drafts``: ``(name, drafter)`` pairs, which decode with ``k`` / ``tree``, or ``Method``s with their own
+    (a benchmark of several k for one drafter passes one Method per k). ``sampling``: greedy when None.
+    ``progress``: show a tqdm bar (None = only when stderr is a terminal). ``tree``: draft token trees of
+    this shape (every drafter must support it) instead of k-token chains. ``k="auto"``: each method gets
+    one cost model (``decode/cost_model.py``, k in 0..``k_max``) that learns from a fresh start over the
+    timed prompts and keeps what it learned from prompt to prompt; the warm-up runs on throwaway models.
+    A ``TreeBudget`` as ``tree`` works the same way: each method gets its own copy, which picks the tree's
+    node budget per step. A prompt that does not fit the target's context is refused before anything
+    runs (``check_context``), unless ``truncate_prompts``: then it keeps its last tokens, counted in each
+    method's ``truncated``.
     """
     sampling = sampling if sampling is not None else Sampling()
     if not prompts:
         raise ValueError("no prompts to evaluate")
-    if k != "auto" and (not isinstance(k, int) or k < 1):
-        raise ValueError(f"--k must be at least 1 (draft tokens per step) or 'auto', got {k!r}")
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if tree is not None:
-        chain_only = [name for name, drafter in drafts if not drafter.supports_tree]
-        if chain_only:
+    drafted = [
+        Method(d.name, d.drafter, k if d.k is None else d.k, tree if d.tree is None else d.tree)
+        if isinstance(d, Method)
+        else Method(d[0], d[1], k, tree)
+        for d in drafts
+    ]
+    for m in drafted:
+        if m.k != "auto" and not isinstance(m.k, CostModel) and (not isinstance(m.k, int) or m.k < 1):
             raise ValueError(
-                f"--tree asked for, but draft(s) {', '.join(chain_only)} draft chains only; "
-                "evaluate them in a separate run without --tree"
+                f"--k must be at least 1 (draft tokens per step) or 'auto', got {m.k!r} for {m.name}"
             )
+    chain_only = [m.name for m in drafted if m.tree is not None and not m.drafter.supports_tree]
+    if chain_only:
+        raise ValueError(
+            f"--tree asked for, but draft(s) {', '.join(chain_only)} draft chains only; "
+            "evaluate them in a separate run without --tree"
+        )
     if not truncate_prompts:
         check_context(target, prompts, max_new_tokens)
-    methods: list[tuple[str, Drafter | None]] = [(BASELINE, None), *drafts]
-    results = [MethodResult(name) for name, _ in methods]
-    warm_up(target, methods, prompts[: max(warmup, 0)], k, max_new_tokens, sampling, seed, tree)
-    policies: list[KPolicy] = [0] + [CostModel(k_max=k_max) if k == "auto" else k for _ in drafts]
-    trees = [None] + [copy.deepcopy(tree) if isinstance(tree, TreeBudget) else tree for _ in drafts]
+    methods = [Method(BASELINE, None, 0), *drafted]
+    results = [MethodResult(m.name) for m in methods]
+    warm_up(target, methods, prompts[: max(warmup, 0)], max_new_tokens, sampling, seed, k_max)
+    policies = [m.fresh_policy(k_max) for m in methods]
+    for result, (policy, shape) in zip(results, policies):
+        result.policy = shape if isinstance(shape, TreeBudget) else policy
 
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=None if progress is None else not progress)
     for prompt in bar:
-        for (_, drafter), result, policy, shape in zip(methods, results, policies, trees):
-            adaptive = k == "auto" if tree is None else isinstance(tree, TreeBudget)
-            chosen = result.chosen_k if adaptive and drafter is not None else None
+        for method, result, (policy, shape) in zip(methods, results, policies):
+            chosen = result.chosen_k if method.adaptive else None
             cut = [0] if truncate_prompts else None
             outputs, stats = run_prompt(
-                target, drafter, prompt, policy, max_new_tokens, sampling, seed, shape, chosen, cut
+                target, method.drafter, prompt, policy, max_new_tokens, sampling, seed, shape, chosen, cut
             )
             result.record(prompt.category, stats, outputs)
             result.truncated += cut[0] if cut else 0
-        if drafts:
+        if drafted:
             bar.set_postfix_str(
                 " ".join(f"{_short(r.name)} τ={r.total.acceptance.tau:.2f}" for r in results[1:])
             )

@@ -16,8 +16,9 @@ from draftsmith.decode.speculative import generate
 from draftsmith.drafts.base import build_drafter
 from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map, check_target, ttt_attention_mask
 from draftsmith.drafts.eagle_drafter import EagleDrafter
+from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Teacher, decoding_walk_steps
-from draftsmith.train.objectives.eagle import EagleObjective, soft_topk_cross_entropy
+from draftsmith.train.objectives.eagle import EagleObjective
 from draftsmith.train.registry import build_objective
 
 ARCHS = ["llama", "qwen2"]

@@ -13,7 +13,8 @@ from tiny import tiny_target
 
 from draftsmith.drafts.eagle import packed_segments
 from draftsmith.train.objective import Batch
-from draftsmith.train.objectives.eagle import EagleObjective, step_valid_masks
+from draftsmith.train.objectives.common import step_valid_masks
+from draftsmith.train.objectives.eagle import EagleObjective
 from draftsmith.train.teacher import compute_teacher
 
 LENGTHS = (9, 7)

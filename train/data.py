@@ -392,3 +392,11 @@ def _field(turn: object, key: str, where: str) -> object:
         keys = sorted(turn) if isinstance(turn, dict) else type(turn).__name__
         raise ValueError(f"{where}: a turn lacks {key!r} (it has {keys}); accepted shapes: {_shapes()}")
     return turn[key]
+
+
+def pad_id_of(tokenizer) -> int:
+    """The id padding slots hold (they are masked): the pad token, else EOS, else 0."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0

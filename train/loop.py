@@ -43,6 +43,7 @@ from draftsmith.train.checkpoint import (
     remove_partial_checkpoints,
 )
 from draftsmith.train.config import TrainConfig, to_dict
+from draftsmith.train.data import pad_id_of
 from draftsmith.train.distributed import (
     build_strategy,
     check_strategy,
@@ -208,13 +209,6 @@ class DraftModule(L.LightningModule):
 
 
 # --------------------------------------------------------------------------- data
-
-
-def pad_id_of(tokenizer) -> int:
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return 0
 
 
 def prepare_datasets(config: TrainConfig, tokenizer):

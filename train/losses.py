@@ -241,3 +241,17 @@ def distillation_loss(
             labels = teacher_labels(teacher_logits, teacher_ids)
         return cross_entropy(draft_logits, labels, mask)
     raise ValueError(f"unknown distillation loss {name!r}; choose one of {', '.join(LOSSES)}")
+
+
+def soft_topk_cross_entropy(
+    draft_logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_draft_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of the draft against the teacher's top-k, renormalised over ids the draft can score.
+
+    draft_logits [N, Vd]; teacher_logits [N, K]; teacher_draft_ids [N, K] (draft ids, -1 = not in the
+    draft vocabulary). Returns per-position CE [N] and whether the position had any in-vocabulary mass [N].
+    """
+    in_vocab = teacher_draft_ids >= 0
+    p = teacher_logits.float().masked_fill(~in_vocab, float("-inf")).softmax(-1).nan_to_num(0.0)
+    log_q = draft_logits.float().log_softmax(-1).gather(-1, teacher_draft_ids.clamp_min(0))
+    return -(p * log_q).sum(-1), in_vocab.any(-1)

@@ -35,7 +35,7 @@ from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.target import Target
 from draftsmith.drafts import distill
 from draftsmith.loading import resolve_dtype
-from draftsmith.train.data import collate
+from draftsmith.train.data import collate, pad_id_of
 from draftsmith.train.losses import LOSSES, TokenLoss, distillation_loss, teacher_labels, token_count
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.registry import register_objective, unknown_key
@@ -300,12 +300,6 @@ def prompt_prefixes(batch: Batch) -> list[torch.Tensor]:
     return prefixes
 
 
-def _pad_id(target: Target) -> int:
-    tok = target.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    return int(pad) if pad is not None else 0
-
-
 @torch.no_grad()
 def sample_on_policy(
     draft: nn.Module,
@@ -327,7 +321,7 @@ def sample_on_policy(
     if any(p.numel() == 0 for p in prompts):
         raise ValueError("an on-policy prompt is empty: every prompt needs at least one token")
     device = next(draft.parameters()).device
-    pad = _pad_id(target)
+    pad = pad_id_of(target.tokenizer)
     width = max(p.numel() for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
     attn = torch.zeros_like(ids)
@@ -419,4 +413,4 @@ def mix_on_policy(
         source, r = (fresh, replaced[b]) if b in replaced else (batch, b)
         real = source.attention_mask[r].bool()
         rows.append({"input_ids": source.input_ids[r][real], "loss_mask": source.loss_mask[r][real]})
-    return collate(rows, _pad_id(target))
+    return collate(rows, pad_id_of(target.tokenizer))

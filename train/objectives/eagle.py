@@ -29,76 +29,22 @@ from draftsmith.drafts.eagle import (
     EagleHead,
     build_vocab_map,
     check_target,
-    packed_segments,
-    ttt_attention_mask,
 )
+from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.objectives.common import (
+    chain_starts,
+    masked_mean,
+    shift_left,
+    step_valid_masks,
+    teacher_greedy,
+)
 from draftsmith.train.registry import check_options, register_objective
 
-__all__ = [
-    "Eagle1Objective",
-    "Eagle3Objective",
-    "EagleObjective",
-    "chain_starts",
-    "soft_topk_cross_entropy",
-    "step_valid_masks",
-    "ttt_attention_mask",
-]
+__all__ = ["Eagle1Objective", "Eagle3Objective", "EagleObjective"]
 
 DEFAULT_TTT_STEPS = {"eagle1": 1, "eagle3": 3}
 """EAGLE-3's paper unrolls 7 steps; 3 keeps CPU training fast and already covers most accepted chains."""
-
-
-def shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x[:, n:] padded with zeros at the end back to length T (dim 1)."""
-    pad = [0, 0] * (x.dim() - 2) + [0, n]
-    return F.pad(x[:, n:], pad)
-
-
-def same_conversation(batch: Batch, offset: int) -> torch.Tensor:
-    """[B, T] bool: token t and token t+offset belong to the same conversation (packed rows hold several)."""
-    if batch.position_ids is None:
-        return torch.ones_like(batch.attention_mask, dtype=torch.bool)
-    segments = packed_segments(batch.position_ids)
-    return segments == shift_left(segments, offset)
-
-
-def step_valid_masks(batch: Batch, steps: int) -> torch.Tensor:
-    """[steps, B, T] bool: anchor t counts at step j iff token t is real and token t+2+j is learnt
-    and in the same conversation as token t."""
-    real = batch.attention_mask.bool()
-    learnt = batch.loss_mask.bool() & real
-    return torch.stack(
-        [real & shift_left(learnt, 2 + j) & same_conversation(batch, 2 + j) for j in range(steps)]
-    )
-
-
-def chain_starts(batch: Batch, k: int) -> torch.Tensor:
-    """[B, T] bool: anchors where decoding starts a k-chain — token t+1 is learnt (the target produced
-    it, so not an answer's first token, which the prefill gives) and token t+2 too, with k real tokens
-    of the same conversation after t."""
-    real = batch.attention_mask.bool()
-    learnt = real & batch.loss_mask.bool()
-    return (
-        step_valid_masks(batch, 1)[0]
-        & shift_left(learnt, 1)
-        & shift_left(real, k)
-        & same_conversation(batch, k)
-    )
-
-
-def soft_topk_cross_entropy(
-    draft_logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_draft_ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy of the draft against the teacher's top-k, renormalised over ids the draft can score.
-
-    draft_logits [N, Vd]; teacher_logits [N, K]; teacher_draft_ids [N, K] (draft ids, -1 = not in the
-    draft vocabulary). Returns per-position CE [N] and whether the position had any in-vocabulary mass [N].
-    """
-    in_vocab = teacher_draft_ids >= 0
-    p = teacher_logits.float().masked_fill(~in_vocab, float("-inf")).softmax(-1).nan_to_num(0.0)
-    log_q = draft_logits.float().log_softmax(-1).gather(-1, teacher_draft_ids.clamp_min(0))
-    return -(p * log_q).sum(-1), in_vocab.any(-1)
 
 
 def load_head_to_continue(
@@ -149,16 +95,6 @@ def _unwrap(draft: nn.Module) -> EagleHead:
             raise TypeError(f"expected an EagleHead (possibly wrapped), got {type(draft).__name__}")
         draft = inner
     return draft
-
-
-def _greedy(teacher: Teacher) -> torch.Tensor:
-    """The target's greedy next token [B, T] from its top-k."""
-    best = teacher.topk_logits.argmax(-1, keepdim=True)
-    return teacher.topk_ids.gather(-1, best).squeeze(-1)
-
-
-def _mean(values: torch.Tensor) -> torch.Tensor:
-    return values.sum() / max(values.numel(), 1)
 
 
 class EagleObjective(Objective):
@@ -260,7 +196,7 @@ class EagleObjective(Objective):
             position_ids=batch.position_ids,
         )
         draft_index = head.t2d.long().cumsum(0) - 1  # target id -> draft id (d2t is ascending)
-        greedy = _greedy(teacher)
+        greedy = teacher_greedy(teacher)
         if self.preset == "eagle1":
             feature = teacher.features[self.capture_layers[0]]
         total = out.logits[0].new_zeros(())
@@ -272,21 +208,21 @@ class EagleObjective(Objective):
             ce, has_mass = soft_topk_cross_entropy(
                 out.logits[j], shift_left(teacher.topk_logits, 1 + j)[sel], t_draft
             )
-            step_loss = _mean(ce[has_mass])
+            step_loss = masked_mean(ce[has_mass])
             logs[f"ce_{j}"] = step_loss.detach()
             if self.preset == "eagle1":
                 pred = out.hidden_states[j][sel].float()
                 real = shift_left(feature, 1 + j)[sel].float()
-                feat_loss = _mean(F.smooth_l1_loss(pred, real, reduction="none").mean(-1))
+                feat_loss = masked_mean(F.smooth_l1_loss(pred, real, reduction="none").mean(-1))
                 logs[f"feature_loss_{j}"] = feat_loss.detach()
                 step_loss = self.feature_weight * feat_loss + self.token_weight * step_loss
             total = total + weight * step_loss
             g = shift_left(greedy, 1 + j)[sel]
             draftable = head.t2d[g]
             hits = head.d2t[out.logits[j].argmax(-1)] == g
-            logs[f"acc_{j}"] = _mean(hits[draftable].float())
+            logs[f"acc_{j}"] = masked_mean(hits[draftable].float())
             if j == 0:
-                logs["oov_frac"] = _mean((~draftable).float())
+                logs["oov_frac"] = masked_mean((~draftable).float())
                 logs["tokens"] = sel.sum().float()
         return {"loss": total, **logs}
 
@@ -311,7 +247,7 @@ class EagleObjective(Objective):
             logit_masks=starts.expand(k, *starts.shape),
             position_ids=batch.position_ids,
         )
-        greedy = _greedy(teacher)
+        greedy = teacher_greedy(teacher)
         matches = torch.stack(
             [
                 head.d2t[logits.argmax(-1)] == shift_left(greedy, 1 + j)[starts]

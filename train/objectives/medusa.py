@@ -17,24 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.drafts.medusa import MedusaConfig, MedusaHeads
+from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Objective, Teacher
-from draftsmith.train.objectives.eagle import (
+from draftsmith.train.objectives.common import (
     chain_starts,
+    masked_mean,
     shift_left,
-    soft_topk_cross_entropy,
     step_valid_masks,
+    teacher_greedy,
 )
 from draftsmith.train.registry import check_options, register_objective
-
-
-def teacher_greedy(teacher: Teacher) -> torch.Tensor:
-    """The target's greedy next token [B, T] from its top-k."""
-    best = teacher.topk_logits.argmax(-1, keepdim=True)
-    return teacher.topk_ids.gather(-1, best).squeeze(-1)
-
-
-def _mean(values: torch.Tensor) -> torch.Tensor:
-    return values.sum() / max(values.numel(), 1)
 
 
 class MedusaObjective(Objective):
@@ -82,10 +74,10 @@ class MedusaObjective(Objective):
             else:
                 ids = shift_left(teacher.topk_ids, 1 + i)[sel]
                 ce, _ = soft_topk_cross_entropy(head_logits, shift_left(teacher.topk_logits, 1 + i)[sel], ids)
-            head_loss = _mean(ce)
+            head_loss = masked_mean(ce)
             total = total + weight * head_loss
             logs[f"ce_{i}"] = head_loss.detach()
-            logs[f"acc_{i}"] = _mean((head_logits.argmax(-1) == shift_left(greedy, 1 + i)[sel]).float())
+            logs[f"acc_{i}"] = masked_mean((head_logits.argmax(-1) == shift_left(greedy, 1 + i)[sel]).float())
         logs["tokens"] = valid[0].sum().float()
         return {"loss": total, **logs}
 

@@ -1,8 +1,7 @@
-"""bench/gpu_eagle3.py's pack/unpack: how a head trained on a lent GPU comes back through small files."""
+"""draftsmith.export.transport: how a head trained on a lent GPU comes back through small files."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -13,15 +12,12 @@ from tiny import tiny_target
 from draftsmith.drafts.eagle import EagleHead
 from draftsmith.train.registry import build_objective
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "gpu_eagle3.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("gpu_eagle3", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from draftsmith.export import transport
+
+    return transport
 
 
 def saved_head(target, path: Path) -> Path:
