@@ -39,6 +39,23 @@ class GenerationResult:
     """The k asked of the drafter at each verify step (fixed, or the cost model's pick), capped by the
     budget; for tree decoding, each step's node budget (0 = a plain step)."""
 
+    def record_step(self, accepted: int, proposed: int, chosen: int, draft_s: float, verify_s: float) -> None:
+        """One verify step: its counts and where its time went."""
+        self.draft_seconds += draft_s
+        self.verify_seconds += verify_s
+        self.target_forwards += 1
+        self.accepted.append(accepted)
+        self.proposed.append(proposed)
+        self.chosen_k.append(chosen)
+
+    def finish(self, first: int, eos_ids, device: torch.device, start: float) -> GenerationResult:
+        """Close the generation: EOS as the very first token, the device drained, the wall time."""
+        if first in eos_ids:
+            self.stopped_by = "eos"
+        sync(device)
+        self.seconds = time.perf_counter() - start
+        return self
+
 
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA), so wall-clock timings are real; a no-op on CPU."""
@@ -135,20 +152,11 @@ def generate(
             drafter.commit(n, feats)
         sync(device)
         t2 = time.perf_counter()
-        result.draft_seconds += t1 - t0
-        result.verify_seconds += t2 - t1
-        result.target_forwards += 1
-        result.accepted.append(n)
-        result.proposed.append(len(drafted))
-        result.chosen_k.append(k_step)
+        result.record_step(n, len(drafted), k_step, t1 - t0, t2 - t1)
         if policy is not None:
             policy.record(k_step, len(drafted), n, t1 - t0, t2 - t1)
 
         tokens = commit_tokens(result, tokens, drafted[:n].tolist() + [nxt], target.eos_ids)
         if result.stopped_by == "eos":
             break
-    if first in target.eos_ids:
-        result.stopped_by = "eos"
-    sync(device)
-    result.seconds = time.perf_counter() - start
-    return result
+    return result.finish(first, target.eos_ids, device, start)

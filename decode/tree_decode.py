@@ -197,20 +197,11 @@ def generate_tree(
         drafter.commit_tree(path, feats)
         sync(device)
         t2 = time.perf_counter()
-        result.draft_seconds += t1 - t0
-        result.verify_seconds += t2 - t1
-        result.target_forwards += 1
-        result.accepted.append(len(path))
-        result.proposed.append(draft.depth)
-        result.chosen_k.append(budget if depth > 0 else 0)
+        result.record_step(len(path), draft.depth, budget if depth > 0 else 0, t1 - t0, t2 - t1)
         if policy is not None and (depth == tree.depth or budget == 0):  # a tree cut short says little
             policy.record(budget, len(path) + 1, t2 - t0)
 
         tokens = commit_tokens(result, tokens, draft.tokens[path].tolist() + [nxt], target.eos_ids)
         if result.stopped_by == "eos":
             break
-    if first in target.eos_ids:
-        result.stopped_by = "eos"
-    sync(device)
-    result.seconds = time.perf_counter() - start
-    return result
+    return result.finish(first, target.eos_ids, device, start)

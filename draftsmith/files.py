@@ -158,6 +158,26 @@ def json_error(err, text: str) -> str:
     )
 
 
+def read_jsonl(path: str | Path, holds: str):
+    """``(line number, record)`` for every non-blank line of a JSONL file; a malformed line is an error that
+    names ``file:line``, the column and the text around it (``holds``: what a line is, for the message)."""
+    path = Path(path)
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(
+                    line.rstrip("\r\n")
+                )  # a line cut short: "never ends", not a control character
+            except json.JSONDecodeError as err:
+                what = json_error(err, line).replace("at line 1, column", "at column", 1)
+                raise ValueError(
+                    f"{path}:{lineno}: malformed JSON (each line holds {holds}): {what}"
+                ) from err
+            yield lineno, record
+
+
 def remove_stale(parent: str | Path, name: str) -> list[Path]:
     """Delete what killed writes of ``parent/name`` left behind (its temporary and set-aside copies)."""
     parent = Path(parent)

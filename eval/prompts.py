@@ -13,14 +13,13 @@ appearance), so a small limit still samples every category; both orders are dete
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from draftsmith.files import json_error
+from draftsmith.files import read_jsonl
 
 DEFAULT_CATEGORY = "default"
 ORDERS = ("file", "round-robin")
@@ -71,22 +70,10 @@ def read_prompts(path: str | Path) -> list[EvalPrompt]:
         raise FileNotFoundError(
             f"prompt file {path} does not exist (expected a JSONL file, one JSON object a line)"
         )
-    prompts = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(
-                    line.rstrip("\r\n")
-                )  # a line cut short: "never ends", not "control character"
-            except json.JSONDecodeError as err:
-                what = json_error(err, line).replace("at line 1, column", "at column", 1)
-                raise ValueError(
-                    f"{where}: malformed JSON (each line holds one JSON object): {what}"
-                ) from err
-            prompts.append(_parse_record(record, where, lineno))
+    prompts = [
+        _parse_record(record, f"{path}:{lineno}", lineno)
+        for lineno, record in read_jsonl(path, "one JSON object")
+    ]
     if not prompts:
         raise ValueError(f"prompt file {path} is empty: it holds no JSON records ({ACCEPTED_FIELDS})")
     return prompts

@@ -129,7 +129,7 @@ def test_real_training_files_load(shared_data):
         ("[]", "empty JSON list"),
         (
             '{"question": "q", "answer": "a"}\n{"question": "q", "answer": \n',
-            r"bad\.jsonl: malformed JSON on line 2",
+            r"bad\.jsonl:2: malformed JSON",
         ),
         (
             '{"question": "q", "answer": "a"}\n{"prompt": "p", "completion": "c"}\n',

@@ -191,7 +191,7 @@ def test_malformed_json_is_described_in_whole_sentences(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "answer": "a"}\n{"question": "tab\there", "answer": "a"}\n')
     with pytest.raises(
-        ValueError, match=r"bad\.jsonl: malformed JSON on line 2 .*raw control character .* at column 18"
+        ValueError, match=r"bad\.jsonl:2: malformed JSON .*raw control character .* at column 18"
     ):
         load_conversations([bad])
     bad.write_text('{"question": "q", "answer": "cut sho\n')

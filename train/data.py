@@ -17,7 +17,7 @@ from pathlib import Path
 import datasets
 import torch
 
-from draftsmith.files import json_error
+from draftsmith.files import json_error, read_jsonl
 from draftsmith.loading import tokenizer_fingerprint
 from draftsmith.train.objective import Batch
 
@@ -73,21 +73,8 @@ def read_records(path: str | Path) -> Iterator[tuple[int, int, object]]:
             for index, record in enumerate(records):
                 yield index, 0, record
             return
-        index = 0
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(
-                    line.rstrip("\r\n")
-                )  # a line cut short: "never ends", not "control character"
-            except json.JSONDecodeError as err:
-                what = json_error(err, line).replace("at line 1, column", "at column", 1)
-                raise ValueError(
-                    f"{path}: malformed JSON on line {lineno} (one conversation a line): {what}"
-                ) from err
-            yield index, lineno, record
-            index += 1
+    for index, (lineno, record) in enumerate(read_jsonl(path, "one conversation")):
+        yield index, lineno, record
 
 
 def to_messages(record: object, where: str) -> list[Message]:
