@@ -226,8 +226,8 @@ class CostModel:
         """Seconds of a target pass scoring n tokens; None before any pass was measured."""
         if not self.verify_time:
             return None
-        # one token is plain decoding, a different path from any verify pass (no mask over new tokens;
-        # on a CPU a 2-token verify measured 1.75x one token): its mean stands alone when measured
+        # one token is plain decoding, a different path from any verify pass (no mask over new tokens,
+        # and on a CPU a 2-token pass can cost far more than one): its mean stands alone when measured
         if n <= 1 and 1 in self.verify_time:
             return self.verify_time[1].value
         wide = {w: m for w, m in self.verify_time.items() if w > 1}

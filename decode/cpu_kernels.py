@@ -2,21 +2,17 @@
 
 At batch 1 a decode step multiplies a handful of rows (1 for plain decoding, k + 1 for a verify
 pass) by every weight matrix. PyTorch's default CPU path (MKL sgemm on the dense weight) is poor at
-that shape: on the project's 2-core EPYC, a [2, 576] x [576, 1536] product takes twice as long as a
-[1, 576] one, where reading the weight — the real cost at this size — is the same. oneDNN with the
-weight reordered once into its blocked layout (what ``torch.compile``'s CPU backend does when it
-freezes weights) reads it at close to memory speed for any small row count. Measured on SmolLM2-135M
-after a 300-token prefix (median ms per target forward, stock -> packed): 1 token 60 -> 45,
-2 tokens 99 -> 53, 6 tokens 89 -> 60, 16 tokens 105 -> 82.
+that shape: a 2-row product can take twice as long as a 1-row one, where reading the weight — the
+real cost at this size — is the same. oneDNN with the weight reordered once into its blocked layout
+(what ``torch.compile``'s CPU backend does when it freezes weights) reads it at close to memory speed
+for any small row count (BENCHMARKS.md, "CPU kernels").
 
 Drafts can go further (``quantize_draft_linears``): weight-only int8 with one scale per output
 channel, run by ``torch.ops.aten._weight_int8pack_mm`` on bfloat16 activations. A draft's precision
 never changes the output — the target verifies every drafted token, and under sampling the drafter's
 own (quantized) distribution is what the acceptance rule uses — it can only change how many drafted
-tokens the target accepts. On the 2-core CPU, drafting five tokens with the SmolLM2 EAGLE-3 head (one
-layer and a 16,384-wide LM head, all weight reads) went from 16.1 to 7.9 ms per step on dev prompts,
-with the same τ (BENCHMARKS.md). The target is never quantized: its layers (also those a
-``layers:N`` draft shares with it) are skipped.
+tokens the target accepts; for a weight-bound head it roughly halves the drafting time (BENCHMARKS.md).
+The target is never quantized: its layers (also those a ``layers:N`` draft shares with it) are skipped.
 
 ``pack_linears(model)`` swaps every frozen ``nn.Linear`` for a ``PackedLinear`` that keeps the
 original weight (shared, so state dicts, tied embeddings and hooks see the same tensor) plus the

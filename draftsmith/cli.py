@@ -32,7 +32,7 @@ SUBCOMMANDS = {
     ),
     "quickstart": (
         "draftsmith.quickstart",
-        "train an EAGLE-3 head on the bundled target and evaluate it (~10 min on a 2-core CPU)",
+        "train an EAGLE-3 head on the bundled target and evaluate it (minutes on a CPU)",
     ),
 }
 

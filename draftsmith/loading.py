@@ -59,9 +59,8 @@ def cpu_flags() -> frozenset[str]:
 
 def bf16_is_fast(device: str | torch.device) -> bool:
     """True where bfloat16 matrix products outrun float32: a CUDA GPU with bf16 support, or a CPU with
-    bf16 matrix instructions. On the project's Xeon with AMX, a [2048, 576] x [576, 1536] product runs
-    at 2.50 TFLOP/s in bf16 against 0.32 in float32 (bench/cpu_bf16.py); a CPU without them emulates
-    bf16 and is slower."""
+    bf16 matrix instructions (``bench/cpu_bf16.py`` measures it); a CPU without them emulates bf16 and
+    is slower."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -87,9 +86,9 @@ def contiguous_lm_head_input(model: PreTrainedModel) -> None:
 
     transformers scores only the last position of a prompt (``hidden[:, -1:, :]``, a strided view). On a
     CPU, ``F.linear`` on a strided 3-D input goes through ``bmm`` with the weight copied once per row
-    (pytorch/pytorch#151934): for SmolLM2's 49,152 x 576 head at batch 128, 11.5 s in bfloat16 and
-    0.41 s in float32 against 9 ms and 31 ms contiguous. This made ``generate``'s prefill the slowest
-    part of ``draftsmith data regenerate``. The copy here costs one [B, S, H] activation.
+    (pytorch/pytorch#151934), orders of magnitude slower in bfloat16 (``bench/cpu_bf16.py``). This made
+    ``generate``'s prefill the slowest part of ``draftsmith data regenerate``. The copy here costs one
+    [B, S, H] activation.
     """
     head = model.get_output_embeddings()
     if isinstance(head, torch.nn.Module):

@@ -1,13 +1,11 @@
-"""``draftsmith quickstart``: the whole pipeline once, on the bundled target, in about 10 minutes on a 2-core CPU.
+"""``draftsmith quickstart``: the whole pipeline once, on the bundled target, in minutes on a CPU.
 
 1. ``draftsmith train configs/quickstart.yaml``: an EAGLE-3 head on the shipped training
    conversations (ShareGPT chat, GSM8K math, GPTeacher code), the target running online, in bf16
    where the machine has fast bf16 (``precision: auto``; float32 elsewhere, capped at 7 minutes);
    with ``--regenerate N`` it first has the target answer N training prompts (self-distillation,
    ``draftsmith data regenerate``) and trains on those answers instead — better data in principle,
-   but generation runs at about 250-370 tokens/s in bf16 on a 2-core AMX CPU (100 in float32), and on
-   12 dev prompts, 320 regenerated answers added to the shipped files moved τ within noise
-   (1.24 against 1.21, BENCHMARKS.md);
+   but slow to make on a CPU, and at quickstart scale it moved τ within noise (BENCHMARKS.md);
 2. ``draftsmith eval``: the head against the n-gram drafter and the target alone on dev prompts
    (never trained on).
 
@@ -29,7 +27,7 @@ TRAIN_FILES = ["sharegpt_1000.jsonl", "gsm8k_train.jsonl", "gpteacher_codegen.js
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "quickstart",
-        help="train an EAGLE-3 head on the bundled target and evaluate it (~10 min on a 2-core CPU)",
+        help="train an EAGLE-3 head on the bundled target and evaluate it (minutes on a CPU)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -65,6 +63,7 @@ def training_finished(run_dir: Path, recipe: Path, overrides: list[str]) -> bool
 
 def run(args: argparse.Namespace) -> int:
     from draftsmith.cli import main
+    from draftsmith.train.config import resolve_recipe
     from draftsmith.train.regenerate import first_user_turns
 
     data = Path(args.data)
@@ -97,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         data_override.append(f"--data.regenerated={regenerated}")
     run_dir = out / "eagle3"
-    recipe = ROOT / "configs" / "quickstart.yaml"
+    recipe = resolve_recipe("quickstart")
     if not training_finished(run_dir, recipe, args.overrides):
         resume = ["--resume"] if (run_dir / "checkpoints" / "last.ckpt").exists() else []
         step(

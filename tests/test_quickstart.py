@@ -31,10 +31,10 @@ def test_missing_data_folder_is_a_clear_error(tmp_path, capsys):
 def test_a_finished_training_is_not_repeated(tmp_path):
     import json
 
-    from draftsmith.quickstart import ROOT, training_finished
-    from draftsmith.train.config import load_config
+    from draftsmith.quickstart import training_finished
+    from draftsmith.train.config import load_config, resolve_recipe
 
-    recipe = ROOT / "configs" / "quickstart.yaml"
+    recipe = resolve_recipe("quickstart")
     max_steps = load_config(recipe).trainer.max_steps
     assert not training_finished(tmp_path, recipe, [])  # nothing trained yet
     (tmp_path / "draft").mkdir()
@@ -56,7 +56,6 @@ def test_publish_finds_the_report_of_the_quickstart_eval(tmp_path, monkeypatch):
     import torch
     from tiny import tiny_model, tiny_tokenizer
 
-    from draftsmith import quickstart
     from draftsmith.decode.target import Target
     from draftsmith.drafts.eagle import EagleConfig, EagleHead
     from draftsmith.train.config import load_config
@@ -76,7 +75,7 @@ def test_publish_finds_the_report_of_the_quickstart_eval(tmp_path, monkeypatch):
         EagleConfig.for_target(Target(model, tokenizer, "target"), draft_vocab_size=64)
     ).save_pretrained(run / "draft")
     (run / "config.yaml").write_text("draft: {kind: eagle3}\n")
-    max_steps = load_config(quickstart.ROOT / "configs" / "quickstart.yaml").trainer.max_steps
+    max_steps = load_config("quickstart").trainer.max_steps
     (run / "draft" / "train_state.json").write_text(json.dumps({"step": max_steps}))  # trained: skipped
     steps = []
     monkeypatch.setattr("draftsmith.cli.main", lambda argv: steps.append(argv) or 0)

@@ -128,8 +128,8 @@ class TrainerConfig:
     """Log training metrics every this many optimizer steps."""
     precision: str = "32-true"
     """Lightning precision: 32-true, bf16-mixed (fp32 weights, bf16 compute), 16-mixed, bf16-true; auto =
-    bf16-mixed where bf16 matrix products are fast (a GPU with bf16, a CPU with AMX or AVX512-BF16: on
-    the project's AMX Xeon, 2.7x the tokens/s of online EAGLE-3 training), else 32-true."""
+    bf16-mixed where bf16 matrix products are fast (a GPU with bf16, a CPU with AMX or AVX512-BF16;
+    BENCHMARKS.md has what it gains), else 32-true."""
     seed: int = 0
     """Seed for initialisation and data order."""
     accelerator: str = "auto"
@@ -353,7 +353,30 @@ STRATEGIES = (
     "deepspeed_stage_3",
     "deepspeed_stage_3_offload",
 )
-PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "presets"
+
+
+def configs_dir() -> Path:
+    """The recipes shipped with draftsmith: package data (``draftsmith.configs``, the repository's
+    ``configs/``), so a wheel install finds them as an editable one does."""
+    from importlib.resources import files as package_files
+
+    return Path(str(package_files("draftsmith.configs")))
+
+
+def resolve_recipe(name: str | Path) -> Path:
+    """A recipe file: a path that exists, else a shipped recipe by name (``quickstart``,
+    ``quickstart.yaml`` or ``configs/quickstart.yaml``)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = configs_dir() / (path.name if path.suffix else f"{path.name}.yaml")
+    if shipped.is_file() and (len(path.parts) == 1 or path.parts[-2] == "configs"):
+        return shipped
+    known = sorted(p.stem for p in configs_dir().glob("*.yaml"))
+    raise FileNotFoundError(
+        f"config file {name} does not exist, and draftsmith ships no recipe of that name (shipped: "
+        f"{', '.join(known)})"
+    )
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
@@ -388,12 +411,13 @@ def resolve_preset(name: str | Path) -> Path:
     path = Path(name)
     if path.is_file():
         return path
-    named = PRESETS_DIR / f"{name}.yaml"
+    presets = configs_dir() / "presets"
+    named = presets / f"{name}.yaml"
     if named.is_file():
         return named
-    known = sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+    known = sorted(p.stem for p in presets.glob("*.yaml"))
     raise FileNotFoundError(
-        f"no preset {str(name)!r}: not a file, and not one of {', '.join(known)} in {PRESETS_DIR}"
+        f"no preset {str(name)!r}: not a file, and not one of {', '.join(known)} in {presets}"
     )
 
 
@@ -406,9 +430,7 @@ def load_config(
     strategy preset from configs/presets/), apply dotted overrides last, validate."""
     data: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"config file {path} does not exist (recipes live in configs/)")
+        path = resolve_recipe(path)
         data = _read_yaml(path, "recipe")
     for preset in presets:
         data = _merge(data, _read_yaml(resolve_preset(preset), "preset"), TrainConfig)

@@ -24,8 +24,7 @@ def decoding_walk_steps(accepted: torch.Tensor, starts: torch.Tensor) -> list[li
     token the target produced itself (so not the first token of an answer, which comes from the
     prefill), with k real tokens after them. A step at t that accepts a tokens puts the next draft at
     t + a + 1, right after a rejection, where the draft tends to be weaker: averaging over every start
-    instead overstates τ (for a trained EAGLE-3 head on the bundled target's held-out answers, 2.11
-    against 1.84 along the walk, the figure decoding gets).
+    instead overstates τ (BENCHMARKS.md, "Held-out τ along the decoding walk", measures by how much).
     """
     rows = []
     for lengths, ok in zip(accepted.cpu().tolist(), starts.bool().cpu().tolist()):

@@ -18,8 +18,7 @@ from pathlib import Path
 HELP = (
     __doc__.split("\n\n", 1)[1]
     + """
-Example (BENCHMARKS.md, "EAGLE-3 full recipe trained on one H200"): 32,000 -> 8,192 rows kept τ at
-2.02 (from 2.03) and drafting went from 12.2 to 6.3 ms a step on the 2-core CPU:
+Example (what it kept and saved for the H200 head: BENCHMARKS.md, "EAGLE-3 full recipe trained on one H200"):
 
   draftsmith shrink-vocab runs/gpu_eagle3/draft --size 8192 --out runs/gpu_eagle3/draft_v8k \\
       --data runs/qs/regenerated.jsonl runs/qs/regenerated_more.jsonl runs/synth/regenerated.jsonl
