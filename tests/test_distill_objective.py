@@ -8,7 +8,7 @@ from draftsmith.decode.speculative import generate
 from draftsmith.drafts.base import kind_of_checkpoint
 from draftsmith.train import losses
 from draftsmith.train.objective import Batch, Teacher, decoding_walk
-from draftsmith.train.objectives import distill
+from draftsmith.train.objectives import distill, on_policy
 from draftsmith.train.objectives.distill import DistillObjective
 from draftsmith.train.registry import build_objective
 
@@ -161,10 +161,10 @@ def test_registered_and_saved_as_a_causal_lm_draft(tmp_path):
 def test_on_policy_greedy_samples_follow_the_draft_and_keep_prompts():
     target = tiny_target("llama")
     draft = DistillObjective(target, {"init": "target_layers", "num_layers": 4}).build_draft()
-    prompts = distill.prompt_prefixes(_batch())
+    prompts = on_policy.prompt_prefixes(_batch())
     assert [p.tolist() for p in prompts] == [[5, 17, 42, 99], [11, 12, 13, 14]]
     prompts[1] = torch.tensor([11, 12])  # different lengths exercise the left padding
-    out = distill.sample_on_policy(draft, target, prompts, max_new_tokens=6, temperature=0.0)
+    out = on_policy.sample_on_policy(draft, target, prompts, max_new_tokens=6, temperature=0.0)
     assert out.input_ids.shape[0] == 2 and out.input_ids.shape[1] <= 4 + 6
     for b, prompt in enumerate(prompts):
         n = int(out.attention_mask[b].sum())
@@ -180,17 +180,17 @@ def test_on_policy_sampling_is_reproducible_and_mixes_by_fraction():
     target = tiny_target("llama")
     draft = DistillObjective(target, {"init": "config", "num_layers": 1, "hidden_size": 16}).build_draft()
     batch = _batch()
-    prompts = distill.prompt_prefixes(batch)
-    a = distill.sample_on_policy(draft, target, prompts, 5, 1.0, torch.Generator().manual_seed(0))
-    b = distill.sample_on_policy(draft, target, prompts, 5, 1.0, torch.Generator().manual_seed(0))
+    prompts = on_policy.prompt_prefixes(batch)
+    a = on_policy.sample_on_policy(draft, target, prompts, 5, 1.0, torch.Generator().manual_seed(0))
+    b = on_policy.sample_on_policy(draft, target, prompts, 5, 1.0, torch.Generator().manual_seed(0))
     assert torch.equal(a.input_ids, b.input_ids) and a.input_ids.shape[0] == 2 and a.input_ids.shape[1] <= 9
-    assert distill.mix_on_policy(batch, draft, target, 0.0, 5) is batch
-    full = distill.mix_on_policy(batch, draft, target, 1.0, 5, generator=torch.Generator().manual_seed(1))
-    assert [p.tolist() for p in distill.prompt_prefixes(full)] == [p.tolist() for p in prompts]
+    assert on_policy.mix_on_policy(batch, draft, target, 0.0, 5) is batch
+    full = on_policy.mix_on_policy(batch, draft, target, 1.0, 5, generator=torch.Generator().manual_seed(1))
+    assert [p.tolist() for p in on_policy.prompt_prefixes(full)] == [p.tolist() for p in prompts]
     assert all(1 <= n <= 5 for n in full.loss_mask.sum(1).tolist())
-    chosen = distill.on_policy_rows(2, 0.5, torch.Generator().manual_seed(2)).tolist()
+    chosen = on_policy.on_policy_rows(2, 0.5, torch.Generator().manual_seed(2)).tolist()
     assert len(chosen) == 1  # 0.5 of 2 rows is exactly one, whatever the draw
-    half = distill.mix_on_policy(batch, draft, target, 0.5, 5, generator=torch.Generator().manual_seed(2))
+    half = on_policy.mix_on_policy(batch, draft, target, 0.5, 5, generator=torch.Generator().manual_seed(2))
     kept = 1 - chosen[0]
     assert torch.equal(half.input_ids[kept], batch.input_ids[kept, : half.input_ids.shape[1]])
     assert torch.equal(half.loss_mask[kept], batch.loss_mask[kept, : half.input_ids.shape[1]])
