@@ -35,6 +35,9 @@ RUN_DRAFT = "draft"
 TARGET_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "tokenizer_fingerprint")
 """Fields of ``Target.record()`` that must agree for a draft to be used with a target (the name may differ)."""
 
+ENGINES = ("hf", "vllm", "sglang", "speculators", "gguf")
+"""The layouts ``draftsmith export --to`` writes, which a kind's record names in ``exports``/``refusals``."""
+
 DrafterFactory = Callable[["Target", str], Drafter]
 """``(target, argument) -> Drafter``: the argument is a checkpoint directory, or a spec's ``:N`` part."""
 

@@ -29,7 +29,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.features import LAYER_ID_CONVENTION, resolve_layer_ids
-from draftsmith.drafts.base import DRAFT_KIND_KEY, DraftKind, register
+from draftsmith.drafts.base import DRAFT_KIND_KEY, ENGINES, DraftKind, register
 from draftsmith.drafts.base import check_target as check_draft_target
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 
@@ -478,7 +478,6 @@ def _build(target, path: str) -> Drafter:
     return EagleDrafter(head, name=f"eagle:{Path(path).name}")
 
 
-ENGINES = ("hf", "vllm", "sglang", "speculators", "gguf")
 register(DraftKind("eagle3", "EAGLE-3 head", _build, "eagle", objective="draftsmith.train.objectives.eagle",
                    exports=ENGINES))  # fmt: skip
 register(DraftKind("eagle1", "EAGLE-1 head", _build, "eagle", objective="draftsmith.train.objectives.eagle",

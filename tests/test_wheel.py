@@ -4,6 +4,7 @@ outside the repository and finds its shipped recipes by name."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -19,19 +20,12 @@ def run(*cmd, **kwargs) -> str:
 
 
 def test_a_wheel_installs_and_runs_outside_the_repository(tmp_path):
-    run(
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        ROOT,
-        "--no-deps",
-        "--no-build-isolation",
-        "-q",
-        "-w",
-        tmp_path / "dist",
-    )
-    (wheel,) = (tmp_path / "dist").glob("draftsmith-*.whl")
+    source = tmp_path / "source"  # a copy: the build writes build/ and egg-info beside the sources
+    skip = shutil.ignore_patterns(".git", ".venv", "runs", "build", "*.egg-info", "__pycache__", ".gl")
+    shutil.copytree(ROOT, source, ignore=skip)
+    dist = tmp_path / "dist"
+    run(sys.executable, "-m", "pip", "wheel", source, "--no-deps", "--no-build-isolation", "-q", "-w", dist)
+    (wheel,) = dist.glob("draftsmith-*.whl")
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", venv)
     python = venv / "bin" / "python"

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint
+from draftsmith.drafts.base import ENGINES
 from draftsmith.export.verify import ExportVerificationError, verify_export
 
-ENGINES = ("hf", "vllm", "sglang", "speculators", "gguf")
 TRAINING_FILES = {"train_state.json", "train_config.yaml"}
 """Files in a draft directory that describe the run, not the model: not part of an engine export."""
 

@@ -20,8 +20,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-ENGINES = ("hf", "vllm", "sglang", "speculators", "gguf")
-
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 DECODER_INTS = (
     "hidden_size",

@@ -18,8 +18,6 @@ import yaml
 from draftsmith.draft_checkpoint import DraftCheckpoint
 from draftsmith.hub import HUB_ID, KNOWN_TARGETS, hub_id_of_target
 
-PLOT_NAME = "acceptance.png"
-
 
 @dataclass
 class EvalReport:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
+from draftsmith.eval.plots import PLOT_NAME
 from draftsmith.hub import HUB_ID
 from draftsmith.publish.card import (
-    PLOT_NAME,
     base_model_of,
     find_report,
     license_of,
