@@ -52,8 +52,9 @@ def lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def greedy_reply(model, tokenizer, messages) -> str:
-    """The reference: one prompt alone, no padding, greedy, cut at the end-of-turn token."""
+def greedy_reply(model, tokenizer, messages) -> tuple[str, bool]:
+    """The reference: one prompt alone, no padding, greedy, cut at the end-of-turn token; and whether it
+    ended there (False: it ran to MAX_NEW tokens)."""
     ids = tokenizer(chat_text(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False)[
         "input_ids"
     ]
@@ -65,38 +66,66 @@ def greedy_reply(model, tokenizer, messages) -> str:
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=[tokenizer.eos_token_id],
     )[0, len(ids) :].tolist()
-    if tokenizer.eos_token_id in out:
+    finished = tokenizer.eos_token_id in out
+    if finished:
         out = out[: out.index(tokenizer.eos_token_id)]
-    return tokenizer.decode(out, skip_special_tokens=True)
+    return tokenizer.decode(out, skip_special_tokens=True), finished
 
 
-def test_replies_are_the_targets_own(target, data, tmp_path):
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_replies_are_the_targets_own(target, data, tmp_path, batching):
     model, tokenizer = target
     out = tmp_path / "out.jsonl"
-    stats = regenerate(model, tokenizer, [data], out, max_new_tokens=MAX_NEW, batch_size=4, progress=False)
+    stats = regenerate(
+        model, tokenizer, [data], out, max_new_tokens=MAX_NEW, batch_size=4, progress=False, batching=batching
+    )
     records = {r["source_id"]: r for r in lines(out)}
     assert stats.written == len(records) == 6 and stats.already_done == 0
+    cut = {}
     for i in range(5):
         messages = records[f"train.jsonl:{i}"]["messages"]
         assert messages[0] == {"role": "user", "content": f"What is {i}+{i}?"}
         assert [m["role"] for m in messages] == ["user", "assistant"]
-        assert messages[1]["content"] == greedy_reply(model, tokenizer, messages[:1])
+        reply, finished = greedy_reply(model, tokenizer, messages[:1])
+        assert messages[1]["content"] == reply
+        cut[f"train.jsonl:{i}"] = not finished
     # leading assistant turn dropped, two assistant turns in a row answered once, trailing user answered
     chat = records["train.jsonl:5"]["messages"]
     assert [m["role"] for m in chat] == ["user", "assistant", "user", "assistant"]
     assert [chat[0]["content"], chat[2]["content"]] == ["hi", "bye?"]
-    assert chat[1]["content"] == greedy_reply(model, tokenizer, chat[:1])
-    assert chat[3]["content"] == greedy_reply(model, tokenizer, chat[:3])
+    (first, first_ended), (second, second_ended) = (greedy_reply(model, tokenizer, chat[:n]) for n in (1, 3))
+    assert [chat[1]["content"], chat[3]["content"]] == [first, second]
+    cut["train.jsonl:5"] = not (first_ended and second_ended)
     assert stats.replies == 7
     assert len({records[f"train.jsonl:{i}"]["messages"][1]["content"] for i in range(5)} - {""}) > 1
-    assert len(load_conversations([out])) == 6  # the output is training data as it stands
+    # a reply that ran to max_new_tokens is flagged, and only those
+    assert {sid: bool(r.get("truncated_replies")) for sid, r in records.items()} == cut
+    assert stats.truncated_replies == sum(not e for e in (first_ended, second_ended)) + sum(
+        cut[f"train.jsonl:{i}"] for i in range(5)
+    )
+
+
+def test_training_leaves_out_flagged_replies(tmp_path, caplog):
+    out = tmp_path / "regen.jsonl"
+    kept = {
+        "source_id": "a:0",
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+    }
+    flagged = {**kept, "source_id": "a:1", "truncated_replies": 1}
+    out.write_text(json.dumps(kept) + "\n" + json.dumps(flagged) + "\n")
+    with caplog.at_level("WARNING"):
+        assert len(load_conversations([out])) == 1
+    assert "skipped 1 conversations with a reply cut at max_new_tokens" in caplog.text
+    out.write_text(json.dumps(flagged) + "\n")
+    with pytest.raises(ValueError, match="no usable conversations"):
+        load_conversations([out])
 
 
 def test_resume_skips_done_records_and_appends(target, data, tmp_path):
     model, tokenizer = target
     out = tmp_path / "out.jsonl"
     regenerate(model, tokenizer, [data], out, max_new_tokens=MAX_NEW, limit=2, progress=False)
-    assert [r["source_id"] for r in lines(out)] == ["train.jsonl:0", "train.jsonl:1"]
+    assert sorted(r["source_id"] for r in lines(out)) == ["train.jsonl:0", "train.jsonl:1"]
     again = regenerate(model, tokenizer, [data], out, max_new_tokens=MAX_NEW, limit=2, progress=False)
     assert again.written == 0 and again.already_done == 2 and len(lines(out)) == 2
     more = regenerate(model, tokenizer, [data], out, max_new_tokens=MAX_NEW, progress=False)

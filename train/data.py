@@ -121,32 +121,49 @@ def iter_conversations(path: str | Path) -> Iterator[tuple[int, list[Message]]]:
     chunk may start mid-conversation with the assistant answering a question it no longer contains.
     A record left with no messages yields an empty list.
     """
+    for index, messages, _ in _iter_records(path):
+        yield index, messages
+
+
+def _iter_records(path: str | Path) -> Iterator[tuple[int, list[Message], object]]:
     for index, lineno, record in read_records(path):
         where = f"{path}: record {index}" + (f" (line {lineno})" if lineno else "")
         messages = to_messages(record, where)
         first = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
-        yield index, messages[first:]
+        yield index, messages[first:], record
 
 
 def load_conversations(paths: Sequence[str | Path]) -> datasets.Dataset:
     """Load local JSON/JSONL files into a Dataset with one column ``messages``.
 
-    Each record may be in any shape of ``SHAPES`` (told per record). Records with no messages left after
-    dropping leading assistant turns (see ``iter_conversations``) are skipped and counted in the log.
+    Each record may be in any shape of ``SHAPES`` (told per record). Skipped, and counted in the log:
+    records with no messages left after dropping leading assistant turns (see ``iter_conversations``),
+    and records ``data regenerate`` flagged with ``truncated_replies`` (a reply cut at max_new_tokens
+    ends where the target never ended it; trained on, it teaches the draft an ending that never comes).
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
     if not paths:
         raise ValueError("no data files given; pass at least one JSON or JSONL file")
-    rows, empty = [], 0
+    rows, empty, cut = [], 0, 0
     for path in paths:
-        for _, messages in iter_conversations(path):
-            if messages:
-                rows.append({"messages": messages})
-            else:
+        for _, messages, record in _iter_records(path):
+            if not messages:
                 empty += 1
+            elif record.get("truncated_replies"):
+                cut += 1
+            else:
+                rows.append({"messages": messages})
     if empty:
         logger.warning("skipped %d conversations that held only assistant turns", empty)
+    if cut:
+        logger.warning(
+            "skipped %d conversations with a reply cut at max_new_tokens (flagged truncated_replies by "
+            "`draftsmith data regenerate`; regenerate with a larger --max-new-tokens to keep them)",
+            cut,
+        )
+    if not rows:
+        raise ValueError(f"no usable conversations in {', '.join(map(str, paths))} (see the warnings above)")
     return datasets.Dataset.from_list(rows, features=MESSAGES_FEATURES)
 
 

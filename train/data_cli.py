@@ -108,7 +108,17 @@ def add_parser(subparsers) -> None:
     regen.add_argument(
         "--max-new-tokens", type=int, default=512, help="longest reply in tokens (default: 512)"
     )
-    regen.add_argument("--batch-size", type=int, default=8, help="prompts generated together (default: 8)")
+    regen.add_argument(
+        "--batch-size", type=int, default=8, help="conversations in flight at once (default: 8)"
+    )
+    regen.add_argument(
+        "--batching",
+        choices=["auto", "continuous", "static"],
+        default="auto",
+        help="continuous: transformers' continuous batching, a finished reply's row goes to the next prompt at "
+        "once; static: left-padded batches that run until their longest reply ends; auto (default): "
+        "continuous on a GPU, static on the CPU (faster there, see BENCHMARKS.md)",
+    )
     regen.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples at that temperature"
     )
@@ -120,6 +130,12 @@ def add_parser(subparsers) -> None:
         help="stop a conversation whose prompt grows past this (default: context length - max new tokens)",
     )
     regen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    regen.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="start no conversation after this many minutes (those in flight finish); rerun to go on",
+    )
     regen.set_defaults(func=run_regenerate)
 
     prompts = actions.add_parser(
@@ -242,10 +258,14 @@ def run_regenerate(args: argparse.Namespace) -> int:
         limit=args.limit,
         max_prompt_tokens=args.max_prompt_tokens,
         seed=args.seed,
+        batching=args.batching,
+        max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
     )
     print(
         f"{name}: wrote {stats.written} conversations to {args.out} ({stats.already_done} were already there); "
-        f"{stats.replies} replies, {stats.truncated_replies} hit --max-new-tokens, "
+        f"{stats.replies} replies ({stats.tokens} tokens), {stats.truncated_replies} hit --max-new-tokens (flagged; training leaves "
+        "them out), "
         f"{stats.cut_conversations} conversations stopped at --max-prompt-tokens"
+        + (f"; {stats.left_for_later} left for a rerun (--max-minutes)" if stats.left_for_later else "")
     )
     return 0

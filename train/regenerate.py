@@ -4,7 +4,15 @@ A draft learns to predict what the target says, so training on the target's own 
 whatever model wrote the dataset) raises acceptance. For each conversation the system and user turns are
 kept and every assistant turn is replaced by the target's reply to the conversation so far — earlier
 replies included, so later user turns may no longer quite follow; a conversation that ends with a user
-turn gets a reply too. Plain batched ``model.generate`` with left padding; nothing speculative.
+turn gets a reply too. Nothing speculative: transformers' continuous batching (``batching="continuous"``:
+a finished reply's row goes to the next prompt at once, by the library's own scheduler) or plain batched
+``model.generate`` with left padding (``"static"``: a batch runs until its longest reply ends). The
+default, ``"auto"``, is continuous on an accelerator and static on the CPU, where the library's paged
+attention (without a flash kernel it attends over every request's keys, masked) measured slower than
+padding (BENCHMARKS.md).
+
+A reply that hits ``max_new_tokens`` is flagged (``truncated_replies``): its end-of-turn token was never
+the target's, so training leaves such conversations out (``train/data.py``).
 
 The output is JSONL in the ``messages`` shape with a ``source_id`` ("file name:record index"). Records
 are appended and flushed one by one, so a rerun skips what is there and a killed run loses at most the
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +45,14 @@ class RegenerateStats:
     written: int = 0
     already_done: int = 0
     replies: int = 0
+    tokens: int = 0
+    """tokens the target generated, end-of-turn tokens included"""
     truncated_replies: int = 0
     """replies that hit max_new_tokens before an end-of-turn token"""
     cut_conversations: int = 0
     """conversations stopped early because the prompt outgrew max_prompt_tokens"""
+    left_for_later: int = 0
+    """conversations not started because ``max_seconds`` ran out (a rerun does them)"""
 
 
 class _Dialogue:
@@ -184,12 +197,20 @@ def regenerate(
     max_prompt_tokens: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    batching: str = "auto",
+    max_seconds: float | None = None,
 ) -> RegenerateStats:
     """Rewrite the assistant turns of the conversations in ``paths`` with ``model``; append to ``out``.
 
     ``max_prompt_tokens`` (default: the model's context length minus max_new_tokens) stops a conversation
     whose prompt grows past it, keeping the turns already answered. temperature 0 is greedy decoding.
+    ``batch_size``: conversations in flight at once; ``batching``: ``auto``, ``continuous`` or ``static``.
+    ``max_seconds``: start no conversation after this long (those in flight finish); a rerun resumes.
     """
+    if batching not in BATCHING:
+        raise ValueError(f"batching {batching!r}: choose one of {', '.join(BATCHING)}")
+    if batching == "auto":
+        batching = "static" if model.device.type == "cpu" else "continuous"
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(
             f"batch_size ({batch_size}) and max_new_tokens ({max_new_tokens}) must be at least 1"
@@ -226,36 +247,141 @@ def regenerate(
             disable=not progress,
         ) as bar,
     ):
-        for start in range(0, len(todo), batch_size):
-            group = [_Dialogue(sid, msgs) for sid, msgs in todo[start : start + batch_size]]
-            while group:
-                asking, prompts = [], []
-                for dialogue in group:
-                    messages = dialogue.next_prompt()
-                    if messages is None:
-                        continue
-                    ids = tokenizer(
-                        chat_text(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False
-                    )["input_ids"]
-                    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-                        dialogue.stop()
-                        stats.cut_conversations += 1
-                        continue
-                    asking.append(dialogue)
-                    prompts.append(ids)
-                if prompts:
-                    replies = generate_replies(model, prompts, pad_id, eos, max_new_tokens, temperature)
-                    for dialogue, (reply_ids, finished) in zip(asking, replies):
-                        dialogue.answer(tokenizer.decode(reply_ids, skip_special_tokens=True), finished)
-                        stats.replies += 1
-                        stats.truncated_replies += not finished
-                for dialogue in [d for d in group if d.done]:
-                    f.write(json.dumps(dialogue.record(), ensure_ascii=False) + "\n")
-                    f.flush()
-                    stats.written += 1
-                    bar.update(1)
-                group = [d for d in group if not d.done]
+
+        def write(dialogue: _Dialogue) -> None:
+            f.write(json.dumps(dialogue.record(), ensure_ascii=False) + "\n")
+            f.flush()
+            stats.written += 1
+            bar.update(1)
+
+        def prompt_of(dialogue: _Dialogue) -> list[int] | None:
+            """The token ids of the dialogue's next prompt, or None once it is done (too long, or over)."""
+            while (messages := dialogue.next_prompt()) is not None:
+                ids = tokenizer(
+                    chat_text(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False
+                )["input_ids"]
+                if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
+                    return ids
+                dialogue.stop()
+                stats.cut_conversations += 1
+            return None
+
+        def answered(dialogue: _Dialogue, reply_ids: list[int], finished: bool) -> None:
+            dialogue.answer(tokenizer.decode(reply_ids, skip_special_tokens=True), finished)
+            stats.replies += 1
+            stats.tokens += len(reply_ids) + finished
+            stats.truncated_replies += not finished
+
+        dialogues = [_Dialogue(sid, msgs) for sid, msgs in todo]
+        deadline = None if max_seconds is None else time.perf_counter() + max_seconds
+
+        def more() -> bool:
+            return deadline is None or time.perf_counter() < deadline
+
+        if batching == "continuous":
+            config = _generation_config(max_new_tokens, eos, pad_id, temperature)
+            longest = (max_prompt_tokens or 4096) + max_new_tokens
+            batching_config = _batching_config(model.device, batch_size, longest)
+            run_continuous(model, config, batching_config, dialogues, prompt_of, answered, write, more)
+        else:
+            for start in range(0, len(dialogues), batch_size):
+                if not more():
+                    break
+                group = dialogues[start : start + batch_size]
+                while group:
+                    asking = [(d, ids) for d in group if (ids := prompt_of(d)) is not None]
+                    if asking:
+                        prompts = [ids for _, ids in asking]
+                        replies = generate_replies(model, prompts, pad_id, eos, max_new_tokens, temperature)
+                        for (dialogue, _), (reply_ids, finished) in zip(asking, replies):
+                            answered(dialogue, reply_ids, finished)
+                    for dialogue in group:
+                        if dialogue.done:
+                            write(dialogue)
+                    group = [d for d in group if not d.done]
+    stats.left_for_later = len(sources) - stats.already_done - stats.written
     return stats
+
+
+BATCHING = ("auto", "continuous", "static")
+
+
+def _generation_config(max_new_tokens: int, eos: list[int], pad_id: int, temperature: float):
+    from transformers import GenerationConfig
+
+    sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad_id, **sampling)
+
+
+def _batching_config(device: torch.device, in_flight: int, longest: int):
+    """The continuous-batching settings for ``in_flight`` requests of at most ``longest`` tokens each.
+
+    On an accelerator the library sizes its paged cache from free memory. On the CPU it would take 60 %
+    of RAM, and touching that much memory made decoding several times slower here (BENCHMARKS.md), so
+    there the cache holds just the requests in flight, with prefill chunks of 1,024 tokens.
+    """
+    from transformers import ContinuousBatchingConfig
+
+    if device.type != "cpu":
+        return ContinuousBatchingConfig(max_requests_per_batch=in_flight)
+    page = ContinuousBatchingConfig().page_size
+    return ContinuousBatchingConfig(
+        max_requests_per_batch=in_flight,
+        num_blocks=in_flight * -(-longest // page),
+        max_batch_tokens=1024,
+    )
+
+
+@torch.inference_mode()
+def run_continuous(model, config, batching_config, dialogues, prompt_of, answered, write, more) -> None:
+    """Every dialogue through transformers' continuous-batching manager, as many at a time as
+    ``batching_config.max_requests_per_batch``.
+
+    A dialogue's next turn is asked for as soon as its last reply returns, and a new dialogue starts as
+    soon as one ends; the library schedules the requests and refills finished rows. A dialogue is written
+    the moment it ends, so a killed run loses only the dialogues in flight. No dialogue starts once
+    ``more()`` is false.
+    """
+    stop = set(config.eos_token_id)
+    waiting = iter(range(len(dialogues)))  # dialogues not started yet, in order
+    asked: dict[str, int] = {}  # request id -> dialogue index
+    in_flight = batching_config.max_requests_per_batch
+    with model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=batching_config, warmup=False
+    ) as manager:
+
+        def advance(i: int) -> None:
+            """Ask for dialogue i's next reply, or write it when it has none left."""
+            ids = prompt_of(dialogues[i])
+            if ids is None:
+                write(dialogues[i])
+                return
+            request = manager.add_request(
+                ids, request_id=f"d{i}:{len(asked)}", max_new_tokens=config.max_new_tokens
+            )
+            asked[request] = i
+
+        def fill() -> None:
+            while len(asked) < in_flight and more() and (i := next(waiting, None)) is not None:
+                advance(i)
+
+        fill()
+        while asked:
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError(
+                        "transformers' continuous-batching loop stopped before every reply came"
+                    )
+                continue
+            if not result.is_finished():
+                continue
+            i = asked.pop(result.request_id)
+            reply = list(result.generated_tokens)
+            finished = bool(reply) and reply[-1] in stop
+            answered(dialogues[i], reply[:-1] if finished else reply, finished)
+            advance(i)
+            fill()
 
 
 @torch.inference_mode()
