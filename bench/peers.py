@@ -61,6 +61,27 @@ def ds_runner(target, drafter, k):
     return run
 
 
+def time_runners(methods: dict, warmup: torch.Tensor, prompts, max_new_tokens: int) -> dict[str, dict]:
+    """Every runner warmed up on ``warmup``, then timed over ``prompts`` interleaved (all runners on
+    prompt 1, then on prompt 2, ...); per runner tokens, seconds, tokens/s, its outputs, and how many
+    equal the first runner's."""
+    for run in methods.values():
+        run(warmup, 16)
+    rows = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in methods}
+    for prompt in prompts:
+        for name, run in methods.items():
+            start = time.perf_counter()
+            out = run(prompt, max_new_tokens)
+            rows[name]["seconds"] += time.perf_counter() - start
+            rows[name]["tokens"] += len(out)
+            rows[name]["outputs"].append(out)
+    reference = next(iter(rows.values()))["outputs"]
+    for row in rows.values():
+        row["tokens_per_s"] = row["tokens"] / row["seconds"]
+        row["same_as_first"] = sum(a == b for a, b in zip(row["outputs"], reference))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -124,28 +145,11 @@ def main() -> None:
         methods[f"ds:{name}(k=auto)"] = ds_runner(target, drafters[path], CostModel(k_max=args.k))
     if args.cpu_kernels == "packed":
         pack_for_decoding(*models)
-    rows = {}
-    reference: list[list[int]] | None = None
-    for name, run in methods.items():
-        run(warmup, 16)
-        tokens, seconds, outputs = 0, 0.0, []
-        for prompt in prompts:
-            start = time.perf_counter()
-            out = run(prompt, args.max_new_tokens)
-            seconds += time.perf_counter() - start
-            tokens += len(out)
-            outputs.append(out)
-        reference = reference or outputs
-        same = sum(a == b for a, b in zip(outputs, reference))
-        rows[name] = {
-            "tokens": tokens,
-            "seconds": seconds,
-            "tokens_per_s": tokens / seconds,
-            "same_as_hf": same,
-        }
+    rows = time_runners(methods, warmup, prompts, args.max_new_tokens)
+    for name, row in rows.items():
         print(
-            f"{name:28s} {tokens / seconds:7.2f} tok/s  ({tokens} tokens, {seconds:.1f} s, "
-            f"{same}/{len(prompts)} outputs identical to hf:generate)",
+            f"{name:28s} {row['tokens_per_s']:7.2f} tok/s  ({row['tokens']} tokens, {row['seconds']:.1f} s, "
+            f"{row['same_as_first']}/{len(prompts)} outputs identical to hf:generate)",
             flush=True,
         )
 
@@ -159,7 +163,7 @@ def main() -> None:
         "settings": vars(args) | {"num_prompts": len(prompts), "greedy": True, "dtype": "float32"},
         "hardware": hardware_description(target.device, target.dtype),
         "date": time.strftime("%Y-%m-%d"),
-        "methods": rows,
+        "methods": {name: {k: v for k, v in row.items() if k != "outputs"} for name, row in rows.items()},
     }
     write_json(args.out, result)
 

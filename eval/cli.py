@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     from draftsmith.decode.target import load_target
     from draftsmith.decode.tree import TreeSpec
     from draftsmith.drafts import build_drafter
-    from draftsmith.eval.harness import evaluate, static_cache_length
+    from draftsmith.eval.harness import evaluate, use_static_caches
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.eval.report import build_report, format_table, hardware_description, write_report
 
@@ -250,13 +250,7 @@ def run(args: argparse.Namespace) -> int:
         pack_for_decoding(target.model, *(drafter for _, drafter in drafts))
     if args.static_cache or args.compile != "off":
         k_max = args.k_max if args.k == "auto" else args.k
-        length = static_cache_length(target, prompts, args.max_new_tokens, k_max)
-        mode = None if args.compile == "default" else args.compile
-        # the target, and every draft that is a causal LM with its own cache (EAGLE/Medusa heads stay eager)
-        for model in [target, *(d for _, d in drafts if hasattr(d, "use_static_cache"))]:
-            model.use_static_cache(length)
-            if args.compile != "off":
-                model.compile(mode)
+        use_static_caches(target, [d for _, d in drafts], prompts, args.max_new_tokens, k_max, args.compile)
     result = evaluate(
         target,
         drafts,

@@ -168,6 +168,25 @@ def static_cache_length(
     return longest + k_max + 1
 
 
+def use_static_caches(
+    target: Target,
+    drafters: Sequence[Drafter],
+    prompts: Sequence[EvalPrompt],
+    max_new_tokens: int,
+    k_max: int,
+    compile_mode: str = "off",
+) -> None:
+    """A static KV cache sized for ``prompts`` on the target and on every drafter with a cache of its own
+    (causal-LM drafts; EAGLE and Medusa heads stay eager), each compiled unless ``compile_mode`` is
+    ``"off"`` (``"default"``: torch.compile's default mode; ``"reduce-overhead"`` adds CUDA graphs)."""
+    length = static_cache_length(target, prompts, max_new_tokens, k_max)
+    mode = None if compile_mode == "default" else compile_mode
+    for model in [target, *(d for d in drafters if hasattr(d, "use_static_cache"))]:
+        model.use_static_cache(length)
+        if compile_mode != "off":
+            model.compile(mode)
+
+
 def check_context(target: Target, prompts: Sequence[EvalPrompt], max_new_tokens: int) -> None:
     """Refuse, before anything runs, prompts whose conversation can need more positions than the target
     has: each turn rendered alone plus its answer (the bound ``static_cache_length`` uses)."""

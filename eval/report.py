@@ -216,8 +216,8 @@ def format_markdown(report: dict) -> str:
 
 
 def write_json(path: str | Path, result: dict) -> Path:
-    """A bench script's result as JSON, atomically; says where it went."""
-    files.write_text(path, json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    """A bench script's result as JSON (undefined rates as null), atomically; says where it went."""
+    files.write_text(path, files.json_text(result) + "\n")
     print(f"\nwrote {path}")
     return Path(path)
 
