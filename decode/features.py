@@ -81,3 +81,20 @@ def capture_layers(model: nn.Module, layer_ids: list[int]) -> Iterator[dict[int,
     finally:
         for h in handles:
             h.remove()
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm a causal LM applies after its last decoder layer, before the LM head (``model.norm`` in
+    most architectures): with the LM head, it reads a middle layer's output as next-token logits (the
+    logit lens, which Mirror decoding's early exit uses)."""
+    base = getattr(model, "base_model", model)
+    for owner in (base, getattr(base, "language_model", None), getattr(base, "decoder", None)):
+        for name in ("norm", "final_layernorm", "ln_f", "norm_f", "final_norm"):
+            module = getattr(owner, name, None) if owner is not None else None
+            if isinstance(module, nn.Module):
+                return module
+    raise ValueError(
+        f"cannot find the final norm of {type(model).__name__} (looked for norm, final_layernorm, ln_f on "
+        "its base model), so its layers cannot be read as next-token logits. Open an issue with the model "
+        "class name."
+    )

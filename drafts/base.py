@@ -82,6 +82,7 @@ KIND_MODULES = {
     "medusa": "draftsmith.drafts.medusa",
     "ngram": "draftsmith.drafts.ngram",
     "layers": "draftsmith.drafts.layer_subset",
+    "mirror": "draftsmith.drafts.mirror",
 }
 """Kind name -> the module that registers its record (imported on first use)."""
 LEGACY_KINDS = {"eagle": None, "small_lm": "distill", "causal_lm": "distill"}

@@ -69,6 +69,7 @@ class EagleConfig(PretrainedConfig):
         logit_softcap: float | None = None,
         target: dict | None = None,
         initializer_range: float = 0.02,
+        mirror: dict | None = None,
         **kwargs,
     ):
         kwargs.pop(DRAFT_KIND_KEY, None)
@@ -95,7 +96,10 @@ class EagleConfig(PretrainedConfig):
         self.logit_softcap = logit_softcap
         self.target = dict(target or {})
         self.initializer_range = initializer_range
-        setattr(self, DRAFT_KIND_KEY, preset)  # the kind's name (earlier versions wrote "eagle")
+        self.mirror = dict(mirror) if mirror else None
+        """A mirror draft's early_exit_layer, kappa and gamma (``drafts/mirror.py``); None otherwise."""
+        # the kind's name (earlier versions wrote "eagle"); a mirror draft is an EAGLE-3 head underneath
+        setattr(self, DRAFT_KIND_KEY, "mirror" if self.mirror else preset)
         super().__init__(**kwargs)
 
     @classmethod
@@ -468,14 +472,17 @@ class EagleHead(PreTrainedModel):
         return EagleOutput(all_hidden, all_logits)
 
 
-def _build(target, path: str) -> Drafter:
+def load_head(target, path: str, what: str = "an EAGLE draft") -> EagleHead:
+    """A saved head on the target's device and dtype, frozen, after checking it was trained for ``target``."""
     if not path or not (Path(path) / "config.json").is_file():
-        raise ValueError(
-            f"an EAGLE draft needs a checkpoint directory saved by `draftsmith train` (got {path!r})"
-        )
+        raise ValueError(f"{what} needs a checkpoint directory saved by `draftsmith train` (got {path!r})")
     head = EagleHead.from_pretrained(path, dtype=target.dtype).to(target.device).eval().requires_grad_(False)
     check_target(head.config, target)
-    return EagleDrafter(head, name=f"eagle:{Path(path).name}")
+    return head
+
+
+def _build(target, path: str) -> Drafter:
+    return EagleDrafter(load_head(target, path), name=f"eagle:{Path(path).name}")
 
 
 register(DraftKind("eagle3", "EAGLE-3 head", _build, "eagle", objective="draftsmith.train.objectives.eagle",

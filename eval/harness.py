@@ -5,7 +5,9 @@ the same overheads. Methods run interleaved prompt by prompt (baseline, draft 1,
 spreads slow drift of the machine (thermal, other processes) evenly over them; a short untimed
 warm-up per method comes first. Each generation gets a fresh ``torch.Generator`` seeded with the
 same seed on the target's device, so sampled runs are reproducible. With a ``TreeSpec`` every draft
-runs through the tree decoder (``decode/tree_decode.py``); the baseline stays the plain loop.
+runs through the tree decoder (``decode/tree_decode.py``); the baseline stays the plain loop. A mirror
+draft (one with ``drafter.mirror``) always runs through mirror decoding (``decode/mirror.py``), with its
+own κ and γ unless its ``Method`` names others.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tqdm.auto import tqdm
 
 from draftsmith.decode.cost_model import CostModel, TreeBudget
 from draftsmith.decode.drafter import Drafter
+from draftsmith.decode.mirror import MirrorSettings, generate_mirror
 from draftsmith.decode.sampling import Sampling
 from draftsmith.decode.speculative import KPolicy, generate
 from draftsmith.decode.target import Target
@@ -79,13 +82,15 @@ def run_prompt(
     tree: TreeSpec | TreeBudget | None = None,
     chosen_k: Counter[int] | None = None,
     truncated: list[int] | None = None,
+    mirror: MirrorSettings | None = None,
 ) -> tuple[list[list[int]], RunStats]:
     """Generate an answer to every turn of ``prompt``; turn i+1 sees the method's own answer to turn i.
 
     With ``tree`` a drafter proposes token trees of that shape instead of chains of k tokens.
     ``chosen_k`` (optional) counts the k (or tree budget) used at each verify step. With ``truncated``
     (a one-item counter), a rendered turn that does not fit the target's context keeps its last tokens
-    and is counted; without it, such a turn is refused (``Target.check_fits``).
+    and is counted; without it, such a turn is refused (``Target.check_fits``). ``mirror``: a mirror
+    draft's κ and γ when not its own.
     """
     generator = torch.Generator(device=target.device).manual_seed(seed)
     conversation: list[dict[str, str]] = []
@@ -97,7 +102,7 @@ def run_prompt(
         room = (target.context_length or 0) - max_new_tokens
         if truncated is not None and target.context_length and ids.shape[0] > room:
             ids, truncated[0] = ids[-max(room, 1) :], truncated[0] + 1
-        result = _generate(target, ids, drafter, k, tree, max_new_tokens, sampling, generator)
+        result = _generate(target, ids, drafter, k, tree, max_new_tokens, sampling, generator, mirror)
         outputs.append(result.tokens)
         stats = stats + RunStats.from_result(result)
         if chosen_k is not None:
@@ -106,7 +111,9 @@ def run_prompt(
     return outputs, stats
 
 
-def _generate(target, ids, drafter, k, tree, max_new_tokens, sampling, generator):
+def _generate(target, ids, drafter, k, tree, max_new_tokens, sampling, generator, mirror=None):
+    if drafter is not None and drafter.mirror is not None:
+        return generate_mirror(target, ids, drafter, mirror, max_new_tokens, sampling, generator)
     if tree is not None and drafter is not None:
         return generate_tree(target, ids, drafter, tree, max_new_tokens, sampling, generator)
     return generate(target, ids, drafter, k, max_new_tokens, sampling, generator)
@@ -122,6 +129,8 @@ class Method:
     """Draft tokens per step, ``"auto"`` (a cost model that learns over the timed prompts), or None."""
     tree: TreeSpec | TreeBudget | None = None
     """Draft token trees of this shape (or a node budget chosen per step) instead of k-token chains."""
+    mirror: MirrorSettings | None = None
+    """A mirror draft's κ and γ, when not the ones it was trained with (its early-exit layer is fixed)."""
 
     def fresh_policy(self, k_max: int) -> tuple[KPolicy, TreeSpec | TreeBudget | None]:
         """The k policy and tree this method starts a run with (a new cost model / budget for adaptive ones)."""
@@ -152,7 +161,15 @@ def warm_up(
             generator = torch.Generator(device=target.device).manual_seed(seed)
             k, tree = method.fresh_policy(k_max)
             _generate(
-                target, ids, method.drafter, k, tree, min(max_new_tokens, WARMUP_TOKENS), sampling, generator
+                target,
+                ids,
+                method.drafter,
+                k,
+                tree,
+                min(max_new_tokens, WARMUP_TOKENS),
+                sampling,
+                generator,
+                method.mirror,
             )
 
 
@@ -248,7 +265,7 @@ def evaluate(
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     drafted = [
-        Method(d.name, d.drafter, k if d.k is None else d.k, tree if d.tree is None else d.tree)
+        Method(d.name, d.drafter, k if d.k is None else d.k, tree if d.tree is None else d.tree, d.mirror)
         if isinstance(d, Method)
         else Method(d[0], d[1], k, tree)
         for d in drafts
@@ -258,6 +275,12 @@ def evaluate(
             raise ValueError(
                 f"--k must be at least 1 (draft tokens per step) or 'auto', got {m.k!r} for {m.name}"
             )
+    mirrored = [m.name for m in drafted if m.tree is not None and m.drafter.mirror is not None]
+    if mirrored:
+        raise ValueError(
+            f"--tree asked for, but draft(s) {', '.join(mirrored)} are mirror drafts, which decode by mirror "
+            "decoding (their own branch grid); evaluate them in a separate run without --tree"
+        )
     chain_only = [m.name for m in drafted if m.tree is not None and not m.drafter.supports_tree]
     if chain_only:
         raise ValueError(
@@ -279,7 +302,17 @@ def evaluate(
             chosen = result.chosen_k if method.adaptive else None
             cut = [0] if truncate_prompts else None
             outputs, stats = run_prompt(
-                target, method.drafter, prompt, policy, max_new_tokens, sampling, seed, shape, chosen, cut
+                target,
+                method.drafter,
+                prompt,
+                policy,
+                max_new_tokens,
+                sampling,
+                seed,
+                shape,
+                chosen,
+                cut,
+                method.mirror,
             )
             result.record(prompt.category, stats, outputs)
             result.truncated += cut[0] if cut else 0

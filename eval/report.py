@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from draftsmith import files
+from draftsmith.decode.mirror import PARTS
 from draftsmith.eval.harness import BASELINE, EvalResult, MethodResult
 from draftsmith.eval.stats import RunStats
 
@@ -21,7 +22,19 @@ METRICS = """\
 per-position acceptance: P(draft token i accepted | every draft token before it accepted).
 tok/s     new tokens / wall-clock seconds of generation (prefill included), after warm-up.
 speedup   tok/s of the draft / tok/s of the target alone, same prompts, settings and process.
-exact     greedy only: every output equals the target alone's, token for token (— when sampling)."""
+exact     greedy only: every output equals the target alone's, token for token (— when sampling).
+mirror drafts (decode/mirror.py), measured on this one device: hit rate = steps whose proposal was a
+          reused branch / steps that had a grid to reuse from; ms per step of each part (fresh draft on a
+          miss, target up to the early exit, the early-exit LM head, target after it, the grid's
+          rollouts, verify).
+modelled_speedup  a MODEL, not a measurement: the same parts with the rollouts overlapping the target
+          after the early exit, as on a second device, plus the channel latency per step, against the
+          target alone measured here (docs/DECODING.md, "Mirror decoding")."""
+
+DEFAULT_CHANNEL_LATENCY_MS = 0.1
+"""The modelled channel's latency per mirror step, when ``settings`` name none: the early-exit
+candidates sent to the draft's device and its branches back, two small messages (tens of µs each
+between GPUs of one node)."""
 
 
 def _num(x: float | None) -> float | None:
@@ -68,7 +81,25 @@ def _timing_fields(stats: RunStats) -> dict:
     }
 
 
-def _draft_entry(draft: MethodResult, baseline: MethodResult, categories: list[str]) -> dict:
+def _mirror_entry(draft: MethodResult, baseline: MethodResult, latency_ms: float) -> dict:
+    """A mirror draft's branch reuse and part times (measured) and its two-device speed (MODELLED)."""
+    m, t = draft.total.mirror, draft.total.timing
+    steps = max(m.steps, 1)
+    modelled = t.new_tokens / m.two_device_seconds(latency_ms / 1000)
+    return {
+        "branch_reuse_hit_rate": _num(m.hit_rate),
+        "hits": m.hits,
+        "reuse_chances": m.reuse_chances,
+        "ms_per_step": {part: 1000 * sec / steps for part, sec in zip(PARTS, m.part_seconds)},
+        "channel_latency_ms": latency_ms,
+        "modelled_two_device_tokens_per_s": _num(modelled),
+        "modelled_speedup": _ratio(modelled, baseline.total.timing.tokens_per_s),
+    }
+
+
+def _draft_entry(
+    draft: MethodResult, baseline: MethodResult, categories: list[str], latency_ms: float
+) -> dict:
     acc = draft.total.acceptance
     entry = {
         "name": draft.name,
@@ -82,6 +113,8 @@ def _draft_entry(draft: MethodResult, baseline: MethodResult, categories: list[s
         "acceptance": {**acc.to_dict(), "proposed_at": acc.proposed_at, "accepted_at": acc.accepted_at},
         "categories": {},
     }
+    if draft.total.mirror is not None:
+        entry["mirror"] = _mirror_entry(draft, baseline, latency_ms)
     if draft.chosen_k:  # k = "auto": verify steps per chosen k (0 = plain decoding)
         entry["chosen_k"] = {str(k): n for k, n in sorted(draft.chosen_k.items())}
     for cat in categories:
@@ -116,7 +149,12 @@ def build_report(result: EvalResult, target: str, settings: dict, hardware: str)
         "greedy": result.greedy,
         "categories": result.categories,
         "baseline": baseline,
-        "drafts": [_draft_entry(d, base, result.categories) for d in result.drafts],
+        "drafts": [
+            _draft_entry(
+                d, base, result.categories, settings.get("channel_latency_ms", DEFAULT_CHANNEL_LATENCY_MS)
+            )
+            for d in result.drafts
+        ],
         "truncated_generations": base.truncated,
     }
 
@@ -168,7 +206,42 @@ def format_table(report: dict) -> str:
         for r in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    mirrors = mirror_rows(report)
+    if mirrors:
+        widths = [max(len(r[i]) for r in mirrors) for i in range(len(mirrors[0]))]
+        lines += ["", MIRROR_TITLE]
+        lines += [
+            "  ".join(cell.ljust(w) if i < 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+            for r in mirrors
+        ]
     return "\n".join(lines)
+
+
+MIRROR_TITLE = (
+    "mirror decoding, ms per step measured on this device; modelled_speedup is a MODEL of two devices, "
+    "not a measurement (docs/DECODING.md):"
+)
+
+
+def mirror_rows(report: dict) -> list[list[str]]:
+    """Header + one row per mirror draft: hit rate, ms per part, measured and modelled speedup."""
+    rows = []
+    for d in report["drafts"]:
+        m = d.get("mirror")
+        if m is None:
+            continue
+        ms = [_f(m["ms_per_step"][p], ".2f") for p in PARTS]
+        rows.append(
+            [
+                d["name"],
+                _f(m["branch_reuse_hit_rate"], ".2f"),
+                *ms,
+                _f(d["speedup"], ".2f"),
+                f"{_f(m['modelled_speedup'], '.2f')} (latency {m['channel_latency_ms']:g} ms)",
+            ]
+        )
+    header = ["draft", "hit rate", *(f"{p} ms" for p in PARTS), "measured speedup", "modelled_speedup"]
+    return [header, *rows] if rows else []
 
 
 def format_markdown(report: dict) -> str:
@@ -209,6 +282,16 @@ def format_markdown(report: dict) -> str:
                 "",
             ]
             out += [f"- {name}: " + ", ".join(f"k={k}: {n}" for k, n in ks.items()) for name, ks in chosen]
+    mirrors = mirror_rows(report)
+    if mirrors:
+        out += [
+            "",
+            MIRROR_TITLE,
+            "",
+            "| " + " | ".join(mirrors[0]) + " |",
+            "|---" + "|---:" * (len(mirrors[0]) - 1) + "|",
+        ]
+        out += ["| " + " | ".join(r) + " |" for r in mirrors[1:]]
     if report["drafts"]:
         out += ["", "![per-position acceptance and τ by category](acceptance.png)"]
     out += ["", "```", METRICS, "```", ""]

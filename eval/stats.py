@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
+from draftsmith.decode.mirror import PARTS, MirrorResult
 from draftsmith.decode.speculative import GenerationResult
 
 
@@ -149,17 +150,66 @@ class Timing:
 
 
 @dataclass
+class MirrorTiming:
+    """Mirror decoding's branch reuse and the time of each part of its steps (``decode/mirror.py``),
+    summed over generations."""
+
+    steps: int = 0
+    hits: int = 0
+    """Steps whose proposal was a branch of the previous step's grid."""
+    reuse_chances: int = 0
+    """Steps that had a previous grid to reuse from."""
+    part_seconds: tuple[float, ...] = (0.0,) * len(PARTS)
+    """Seconds in each of ``decode.mirror.PARTS``."""
+    overlapped_seconds: float = 0.0
+    """``MirrorResult.overlapped_seconds``: the modelled two-device time before the channel's."""
+
+    @classmethod
+    def from_result(cls, result: MirrorResult) -> MirrorTiming:
+        parts = tuple(sum(step[i] for step in result.parts) for i in range(len(PARTS)))
+        return cls(len(result.parts), result.hits, result.reuse_chances, parts, result.overlapped_seconds())
+
+    def add(self, other: MirrorTiming) -> MirrorTiming:
+        return MirrorTiming(
+            self.steps + other.steps,
+            self.hits + other.hits,
+            self.reuse_chances + other.reuse_chances,
+            tuple(a + b for a, b in zip(self.part_seconds, other.part_seconds)),
+            self.overlapped_seconds + other.overlapped_seconds,
+        )
+
+    __add__ = add
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.reuse_chances if self.reuse_chances else math.nan
+
+    def two_device_seconds(self, channel_latency: float) -> float:
+        """MODELLED two-device wall time (``MirrorResult.two_device_seconds``), never a measurement."""
+        return self.overlapped_seconds + channel_latency * self.steps
+
+
+@dataclass
 class RunStats:
-    """Acceptance and timing of one method over some generations."""
+    """Acceptance and timing of one method over some generations; ``mirror`` for mirror decoding."""
 
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     timing: Timing = field(default_factory=Timing)
+    mirror: MirrorTiming | None = None
 
     @classmethod
     def from_result(cls, result: GenerationResult) -> RunStats:
-        return cls(AcceptanceStats.from_result(result), Timing.from_result(result))
+        mirror = MirrorTiming.from_result(result) if isinstance(result, MirrorResult) else None
+        return cls(AcceptanceStats.from_result(result), Timing.from_result(result), mirror)
 
     def add(self, other: RunStats) -> RunStats:
-        return RunStats(self.acceptance + other.acceptance, self.timing + other.timing)
+        mirror = (
+            self.mirror
+            if other.mirror is None
+            else other.mirror
+            if self.mirror is None
+            else self.mirror + other.mirror
+        )
+        return RunStats(self.acceptance + other.acceptance, self.timing + other.timing, mirror)
 
     __add__ = add

@@ -17,10 +17,10 @@ from draftsmith.train.registry import objective_kinds
 
 
 def test_every_kind_has_one_name_and_the_trainable_ones_an_objective():
-    assert kind_names() == ["distill", "eagle1", "eagle3", "layers", "medusa", "ngram"]
+    assert kind_names() == ["distill", "eagle1", "eagle3", "layers", "medusa", "mirror", "ngram"]
     for name in kind_names():
         assert draft_kind(name).name == name
-    assert {"distill", "eagle1", "eagle3", "medusa"} <= set(objective_kinds())
+    assert {"distill", "eagle1", "eagle3", "medusa", "mirror"} <= set(objective_kinds())
     assert not {"ngram", "layers"} & set(objective_kinds())
     with pytest.raises(ValueError, match="unknown draft kind 'egale3'.*Did you mean 'eagle3'"):
         draft_kind("egale3")
@@ -34,7 +34,7 @@ def test_names_written_by_earlier_versions_still_read():
 
 def test_a_checkpoint_kind_named_as_a_spec_asks_for_its_directory():
     target = tiny_target("llama")
-    for name in ("eagle3", "medusa", "distill"):
+    for name in ("eagle3", "medusa", "distill", "mirror"):
         with pytest.raises(ValueError, match="loads from a checkpoint directory"):
             build_drafter(name, target)
 

@@ -81,3 +81,24 @@ def test_packed_kernels_keep_smollm2_greedy_output(smollm2, shared_data):
     finally:
         unpack_linears(smollm2.model)
         unpack_linears(drafter.model)
+
+
+@pytest.mark.slow
+def test_greedy_mirror_decoding_equals_target_greedy_on_smollm2(smollm2, shared_data):
+    """An untrained mirror head on layer 19 of 30: its proposals are poor, the output is the target's."""
+    from draftsmith.decode.mirror import generate_mirror
+    from draftsmith.drafts.mirror import MirrorDrafter
+    from draftsmith.train.registry import build_objective
+
+    counts = torch.ones(smollm2.vocab_size)
+    options = {"early_exit_layer": 19, "kappa": 2, "gamma": 3, "draft_vocab_size": 4096}
+    torch.manual_seed(0)
+    drafter = MirrorDrafter(build_objective("mirror", smollm2, options, counts).build_draft().eval())
+    record = json.loads((shared_data / "dev" / "prompts.jsonl").open().readline())
+    ids = smollm2.tokenizer.apply_chat_template(
+        [{"role": "user", "content": record["turns"][0]}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    prompt = torch.tensor(ids)
+    result = generate_mirror(smollm2, prompt, drafter, max_new_tokens=32)
+    assert result.tokens == generate(smollm2, prompt, None, max_new_tokens=32).tokens
+    assert result.reuse_chances == len(result.parts) - 1 > 0

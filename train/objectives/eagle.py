@@ -1,4 +1,7 @@
-"""EAGLE-1 and EAGLE-3 objectives: the head of ``drafts/eagle.py`` trained on the target's features.
+"""EAGLE-1, EAGLE-3 and mirror objectives: the head of ``drafts/eagle.py`` trained on the target's features.
+
+A mirror draft (``drafts/mirror.py``) is trained exactly as an EAGLE-3 head, on the target's early-exit
+layer alone: that layer's output is all mirror decoding gives the draft when it must start.
 
 Alignment. The head at anchor t reads the target feature at t and the token at t+1 (step 0), or its own
 step-(j-1) output and the token at t+1+j (step j). Step j stands in for target position p = t+1+j: it is
@@ -23,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.decode.features import resolve_layer_ids
+from draftsmith.decode.features import decoder_layers, resolve_layer_ids
+from draftsmith.decode.mirror import MirrorSettings
+from draftsmith.drafts.base import DRAFT_KIND_KEY
 from draftsmith.drafts.eagle import (
     EagleConfig,
     EagleHead,
@@ -41,7 +46,7 @@ from draftsmith.train.objectives.common import (
 )
 from draftsmith.train.registry import check_options, register_objective
 
-__all__ = ["Eagle1Objective", "Eagle3Objective", "EagleObjective"]
+__all__ = ["Eagle1Objective", "Eagle3Objective", "EagleObjective", "MirrorObjective"]
 
 DEFAULT_TTT_STEPS = {"eagle1": 1, "eagle3": 3}
 """EAGLE-3's paper unrolls 7 steps; 3 keeps CPU training fast and already covers most accepted chains."""
@@ -273,6 +278,50 @@ class Eagle3Objective(EagleObjective):
         super().__init__(target, preset="eagle3", **options)
 
 
+def default_exit_layer(num_layers: int) -> int:
+    """Two thirds of the way up: the logit lens there already names the target's next token often, and a
+    third of the target's layers is left for the draft's rollouts to overlap on a second device."""
+    return max(0, -(-2 * num_layers // 3) - 1)
+
+
+class MirrorObjective(EagleObjective):
+    """A mirror draft: the EAGLE-3 objective on the target's early-exit layer ``early_exit_layer`` alone.
+
+    ``kappa`` (early-exit candidates per position) and ``gamma`` (tokens per branch) are recorded as the
+    draft's decoding defaults. ``early_exit_layer`` defaults to ``default_exit_layer``.
+    """
+
+    def __init__(
+        self, target, early_exit_layer: int | None = None, kappa: int = 4, gamma: int = 4, **options
+    ):
+        n_layers = len(decoder_layers(target.model))
+        layer = default_exit_layer(n_layers) if early_exit_layer is None else int(early_exit_layer)
+        if not -n_layers <= layer < n_layers:
+            raise ValueError(
+                f"draft.options.early_exit_layer {layer} is outside the target's {n_layers} decoder layers "
+                f"(valid: 0..{n_layers - 1})"
+            )
+        (layer,) = resolve_layer_ids(target.model, [layer])
+        settings = MirrorSettings(layer, int(kappa), int(gamma))
+        capture = options.pop("capture_layer_ids", None)
+        if capture is not None and resolve_layer_ids(target.model, list(capture)) != [layer]:
+            raise ValueError(
+                f"draft.options.capture_layer_ids {capture}: a mirror draft reads its early-exit layer alone; "
+                f"drop capture_layer_ids and set early_exit_layer ({layer})"
+            )
+        super().__init__(target, preset="eagle3", capture_layer_ids=[layer], **options)
+        if (
+            self.init_head is not None
+            and (self.init_head.config.mirror or {}).get("early_exit_layer") != layer
+        ):
+            raise ValueError(
+                f"draft.options.init_from: that head is not a mirror draft on layer {layer}; continue from one "
+                "trained with the same early_exit_layer"
+            )
+        self.config.mirror = {"early_exit_layer": layer, "kappa": settings.kappa, "gamma": settings.gamma}
+        setattr(self.config, DRAFT_KIND_KEY, "mirror")
+
+
 @register_objective("eagle1", check=lambda options: check_options(Eagle1Objective, "eagle1", options))
 def _build_eagle1(target, options: dict, token_counts=None) -> Eagle1Objective:
     check_options(Eagle1Objective, "eagle1", options)
@@ -283,3 +332,9 @@ def _build_eagle1(target, options: dict, token_counts=None) -> Eagle1Objective:
 def _build_eagle3(target, options: dict, token_counts=None) -> Eagle3Objective:
     check_options(Eagle3Objective, "eagle3", options)
     return Eagle3Objective(target, token_counts=token_counts, **options)
+
+
+@register_objective("mirror", check=lambda options: check_options(MirrorObjective, "mirror", options))
+def _build_mirror(target, options: dict, token_counts=None) -> MirrorObjective:
+    check_options(MirrorObjective, "mirror", options)
+    return MirrorObjective(target, token_counts=token_counts, **options)
