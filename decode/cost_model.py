@@ -18,7 +18,8 @@ verifying. From that it keeps
   verify mean is blended with that line (``PRIOR_SAMPLES`` pseudo-samples of the line);
 - the mean number of tokens actually proposed per asked k (an n-gram drafter often finds fewer).
 
-Expected tokens per verify step for k: ``E(k) = 1 + sum_{i=1..k} prod_{j<i} a_j``; expected seconds:
+Expected tokens per verify step for k: ``E(k) = 1 + sum_{i=1..k} prod_{j<i} a_j`` (``expected_tokens``,
+0-based rates); expected seconds:
 ``D(k) + V(1 + m_k)``; ``k = 0`` is plain decoding (E = 1, seconds = V(1)). ``choose`` returns the
 best k, except on exploration steps, which try a neighbour of the best k, plain decoding or a deep
 probe at ``start_k``, so that a k once judged bad is measured again; the gap between exploration steps doubles while they do not
@@ -28,6 +29,7 @@ change the answer, which bounds what exploring costs.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -80,6 +82,20 @@ def linear_fit(points: dict[int, RunningMean], x: float, max_weight: float) -> f
     sxx = sum(w * (n - mean_x) ** 2 for n, _, w in pts)
     slope = max(sum(w * (n - mean_x) * (y - mean_y) for n, y, w in pts) / sxx, 0.0) if sxx else 0.0
     return max(mean_y + slope * (x - mean_x), 0.0)
+
+
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    """Tokens committed per verify step with a chain of k drafts, the target's own token included:
+    ``1 + sum_{i=1..k} prod_{j<=i} a_j`` with ``a_j = rates[j - 1]`` = P(draft token j accepted | the
+    ones before it accepted). Leviathan et al.'s expected tokens with a rate per position (theirs is
+    one rate for all); the one definition, for choosing k here and for the eval report's bound."""
+    if not 0 <= k <= len(rates):
+        raise ValueError(f"a chain of {k} drafts needs 0 <= k <= {len(rates)} (one rate per position)")
+    total, survive = 1.0, 1.0
+    for rate in rates[:k]:
+        survive *= rate
+        total += survive
+    return total
 
 
 def best_of(options, rate) -> int:
@@ -209,12 +225,8 @@ class CostModel:
         return rates
 
     def expected_tokens(self, k: int, rates: list[float] | None = None) -> float:
-        """Tokens committed per verify step with k drafts: 1 + sum over i < k of P(first i+1 accepted)."""
-        total, survive = 1.0, 1.0
-        for rate in (self.acceptance_rates() if rates is None else rates)[:k]:
-            survive *= rate
-            total += survive
-        return total
+        """Tokens committed per verify step with k drafts (``expected_tokens`` over the estimated rates)."""
+        return expected_tokens(self.acceptance_rates() if rates is None else rates, k)
 
     def draft_seconds(self, k: int) -> float:
         """Seconds of a draft call asking k tokens (0 for k = 0; proportional to k until two ks are measured)."""
