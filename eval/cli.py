@@ -9,7 +9,8 @@ from draftsmith.eval.report import METRICS
 
 DESCRIPTION = """\
 Run the target alone and each draft on the same prompts, in the same process, after an untimed
-warm-up; print a table (draft x category: τ, α, tok/s, speedup, exact) and write DIR/report.json,
+warm-up; print a table (draft x category: τ, α, tok/s, speedup, the speedup bound that the measured
+acceptance and costs allow and the efficiency measured / bound, exact) and write DIR/report.json,
 DIR/report.md and DIR/acceptance.png (per-position acceptance, τ by category); other files in DIR
 are left alone.
 

@@ -55,6 +55,8 @@ class MethodResult:
     """``k = "auto"`` only: verify steps per k the cost model chose (0 = a plain decoding step)."""
     policy: object = None
     """The k policy (or tree budget) the method ran with: a ``CostModel`` holds what it learnt."""
+    decoding: str = "chain"
+    """``Method.decoding``: "chain", "tree" or "mirror" (the report's speedup bound is for chains)."""
 
     def record(self, category: str, stats: RunStats, outputs: list[list[int]]) -> None:
         self.total = self.total + stats
@@ -136,6 +138,13 @@ class Method:
         """The k policy and tree this method starts a run with (a new cost model / budget for adaptive ones)."""
         k = CostModel(k_max=k_max) if self.k == "auto" else self.k
         return k, copy.deepcopy(self.tree) if isinstance(self.tree, TreeBudget) else self.tree
+
+    @property
+    def decoding(self) -> str:
+        """How it decodes, as ``_generate`` picks: "mirror" (a mirror draft), "tree" (with a tree) or "chain"."""
+        if self.drafter is not None and self.drafter.mirror is not None:
+            return "mirror"
+        return "tree" if self.drafter is not None and self.tree is not None else "chain"
 
     @property
     def adaptive(self) -> bool:
@@ -290,7 +299,7 @@ def evaluate(
     if not truncate_prompts:
         check_context(target, prompts, max_new_tokens)
     methods = [Method(BASELINE, None, 0), *drafted]
-    results = [MethodResult(m.name) for m in methods]
+    results = [MethodResult(m.name, decoding=m.decoding) for m in methods]
     warm_up(target, methods, prompts[: max(warmup, 0)], max_new_tokens, sampling, seed, k_max)
     policies = [m.fresh_policy(k_max) for m in methods]
     for result, (policy, shape) in zip(results, policies):

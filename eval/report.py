@@ -13,7 +13,7 @@ import torch
 from draftsmith import files
 from draftsmith.decode.mirror import PARTS
 from draftsmith.eval.harness import BASELINE, EvalResult, MethodResult
-from draftsmith.eval.stats import RunStats
+from draftsmith.eval.stats import RunStats, SpeedupBound
 
 METRICS = """\
 τ (tau)   tokens committed per target verify forward, the target's bonus/correction token included
@@ -22,6 +22,14 @@ METRICS = """\
 per-position acceptance: P(draft token i accepted | every draft token before it accepted).
 tok/s     new tokens / wall-clock seconds of generation (prefill included), after warm-up.
 speedup   tok/s of the draft / tok/s of the target alone, same prompts, settings and process.
+bound     the speedup the measured acceptance and costs allow (chain drafting): E / (draft + verify), where
+          E = mean over verify steps of 1 + Σ_{i=1..k} Π_{j≤i} a_j (a_j: per-position acceptance; k: the
+          step's chain length, --k or each step's under --k auto) and draft, verify = measured seconds of a
+          step's draft call, verify pass / a decode step of the target alone (prefill excluded). — for
+          trees and mirror decoding, whose tokens per step follow other formulas.
+eff       measured speedup / bound: the share of the bound the run delivered (time between the steps and
+          prefill are outside the bound). Low eff: the decoder falls short; low bound: the draft
+          (acceptance, or what drafting costs).
 exact     greedy only: every output equals the target alone's, token for token (— when sampling).
 mirror drafts (decode/mirror.py), measured on this one device: hit rate = steps whose proposal was a
           reused branch / steps that had a grid to reuse from; ms per step of each part (fresh draft on a
@@ -97,10 +105,43 @@ def _mirror_entry(draft: MethodResult, baseline: MethodResult, latency_ms: float
     }
 
 
+NO_BOUND = {
+    "tree": "no bound: it is for chain drafting; a tree's tokens per step depend on its shape, not on "
+    "per-position rates alone",
+    "mirror": "no bound: it is for chain drafting; mirror decoding reuses branches (see modelled_speedup)",
+}
+
+
+def _bound_fields(draft: RunStats, baseline: RunStats, decoding: str) -> tuple[SpeedupBound | None, dict]:
+    """The speedup bound of a draft's steps and what it was computed from (or why there is none)."""
+    speedup = _ratio(draft.timing.tokens_per_s, baseline.timing.tokens_per_s)
+    bound = SpeedupBound.measure(draft, baseline) if decoding == "chain" else None
+    fields = {
+        "speedup_bound": None if bound is None else _num(bound.speedup),
+        "efficiency": None if bound is None or speedup is None else _num(bound.efficiency(speedup)),
+    }
+    return bound, fields
+
+
+def _bound_inputs(bound: SpeedupBound | None, decoding: str) -> dict:
+    if bound is None:
+        return {"note": NO_BOUND.get(decoding, "no bound: no decode step was timed")}
+    return {
+        "expected_tokens": _num(bound.expected_tokens),
+        "chain_lengths": {str(n): c for n, c in bound.chain_lengths.items()},
+        "mean_chain_length": _num(bound.mean_chain_length),
+        "draft_cost": _num(bound.draft_cost),
+        "draft_cost_per_token": _num(bound.draft_cost_per_token),
+        "verify_cost": _num(bound.verify_cost),
+        "plain_step_ms": 1000 * bound.plain_step_seconds,
+    }
+
+
 def _draft_entry(
     draft: MethodResult, baseline: MethodResult, categories: list[str], latency_ms: float
 ) -> dict:
     acc = draft.total.acceptance
+    bound, bound_fields = _bound_fields(draft.total, baseline.total, draft.decoding)
     entry = {
         "name": draft.name,
         "tau": _num(acc.tau),
@@ -108,6 +149,8 @@ def _draft_entry(
         "per_position": [_num(x) for x in acc.per_position],
         **_timing_fields(draft.total),
         "speedup": _ratio(draft.total.timing.tokens_per_s, baseline.total.timing.tokens_per_s),
+        **bound_fields,
+        "bound": _bound_inputs(bound, draft.decoding),
         "exact_match": draft.exact_match,
         "mismatched_prompts": draft.mismatched_prompts,
         "acceptance": {**acc.to_dict(), "proposed_at": acc.proposed_at, "accepted_at": acc.accepted_at},
@@ -124,6 +167,7 @@ def _draft_entry(
             "alpha": _num(stats.acceptance.alpha),
             "tokens_per_s": _num(stats.timing.tokens_per_s),
             "speedup": _ratio(stats.timing.tokens_per_s, base.timing.tokens_per_s),
+            **_bound_fields(stats, base, draft.decoding)[1],
             "exact_match": draft.category_exact.get(cat),
             "new_tokens": stats.timing.new_tokens,
         }
@@ -175,12 +219,15 @@ def _row(name: str, category: str, s: dict) -> list[str]:
         _f(s["alpha"], ".2f"),
         _f(s["tokens_per_s"], ".1f"),
         _f(s["speedup"], ".2f"),
+        _f(s.get("speedup_bound"), ".2f"),
+        _f(s.get("efficiency"), ".2f"),
         _exact(s["exact_match"]),
     ]
 
 
 def table_rows(report: dict) -> list[list[str]]:
-    """Rows of (draft, category, τ, α, tok/s, speedup, exact): an 'all' row per method, then its categories."""
+    """Rows of (draft, category, τ, α, tok/s, speedup, bound, eff, exact): an 'all' row per method, then its
+    categories."""
     cats = report["categories"] if len(report["categories"]) > 1 else []
     base = report["baseline"]
     alone = {"tau": 1.0, "alpha": None, "speedup": 1.0, "exact_match": None}
@@ -194,7 +241,7 @@ def table_rows(report: dict) -> list[list[str]]:
     return rows
 
 
-HEADER = ["draft", "category", "τ", "α", "tok/s", "speedup", "exact"]
+HEADER = ["draft", "category", "τ", "α", "tok/s", "speedup", "bound", "eff", "exact"]
 
 
 def format_table(report: dict) -> str:
@@ -244,6 +291,58 @@ def mirror_rows(report: dict) -> list[list[str]]:
     return [header, *rows] if rows else []
 
 
+BOUND_HEADER = [
+    "draft",
+    "k: steps",
+    "E",
+    "τ",
+    "draft cost",
+    "verify cost",
+    "plain step ms",
+    "bound",
+    "speedup",
+    "eff",
+]
+
+
+def bound_section(report: dict) -> list[str]:
+    """report.md's lines on the bound: per chain draft what it was computed from, then the drafts without one."""
+    rows, notes = [], []
+    for d in report["drafts"]:
+        b = d["bound"]
+        if "note" in b:
+            notes.append(f"- {d['name']}: {b['note']}")
+            continue
+        ks = ", ".join(f"{n}: {c}" for n, c in b["chain_lengths"].items())
+        cells = [
+            d["name"],
+            ks,
+            _f(b["expected_tokens"], ".2f"),
+            _f(d["tau"], ".2f"),
+            _f(b["draft_cost"], ".2f"),
+        ]
+        cells += [_f(b["verify_cost"], ".2f"), _f(b["plain_step_ms"], ".2f"), _f(d["speedup_bound"], ".2f")]
+        rows.append([*cells, _f(d["speedup"], ".2f"), _f(d["efficiency"], ".2f")])
+    if not rows and not notes:
+        return []
+    out = [
+        "",
+        "Speedup bound, chain drafting: bound = E / (draft cost + verify cost), E = tokens per verify step that "
+        "the per-position acceptance gives over the chain lengths drafted (k: steps), costs in decode steps "
+        "of the target alone; eff = speedup / bound (below 1: the decoder's time between steps; a low bound: "
+        "the draft's acceptance or cost; τ below E: acceptance falls with chain length, which eff carries). "
+        'See docs/DECODING.md, "The bound beside the speedup":',
+    ]
+    if rows:
+        out += [
+            "",
+            "| " + " | ".join(BOUND_HEADER) + " |",
+            "|---|---" + "|---:" * (len(BOUND_HEADER) - 2) + "|",
+        ]
+        out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out + ([""] + notes if notes else [])
+
+
 def format_markdown(report: dict) -> str:
     """report.md: settings, the table, per-position acceptance and the metric definitions."""
     s = report["settings"]
@@ -282,6 +381,7 @@ def format_markdown(report: dict) -> str:
                 "",
             ]
             out += [f"- {name}: " + ", ".join(f"k={k}: {n}" for k, n in ks.items()) for name, ks in chosen]
+    out += bound_section(report)
     mirrors = mirror_rows(report)
     if mirrors:
         out += [

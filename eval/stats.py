@@ -3,7 +3,8 @@
 One record of acceptance: for every verify step, how many draft tokens were proposed and how many
 of them the target accepted, kept as a histogram over (proposed, accepted) pairs. The histogram of
 accepted lengths, the per-position counts, τ, α and the per-position rates all derive from it, so
-they can never disagree, and two records merge by adding their counts.
+they can never disagree, and two records merge by adding their counts. The speedup bound
+(``SpeedupBound``) is derived from it too, with the timing totals.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
+from draftsmith.decode.cost_model import expected_tokens
 from draftsmith.decode.mirror import PARTS, MirrorResult
 from draftsmith.decode.speculative import GenerationResult
 
@@ -106,6 +108,27 @@ class AcceptanceStats:
     def per_position(self) -> list[float]:
         """``[i]`` = P(draft token i accepted | tokens before it accepted) = accepted_at[i] / proposed_at[i]."""
         return [a / p if p else math.nan for a, p in zip(self.accepted_at, self.proposed_at)]
+
+    @property
+    def chain_lengths(self) -> dict[int, int]:
+        """``{n: steps}``: verify steps by the number of draft tokens proposed (0 = a plain decoding step)."""
+        counts: Counter[int] = Counter()
+        for (p, _), count in self.steps.items():
+            counts[p] += count
+        return dict(sorted(counts.items()))
+
+    @property
+    def expected_tokens(self) -> float:
+        """Tokens per verify step that the per-position rates give: the mean over the measured chain
+        lengths n of ``decode.cost_model.expected_tokens(per_position, n)``. Equal to τ when every step
+        drafted the same n (the product telescopes); apart from it when acceptance depends on the chain
+        length, which the rates, pooled over lengths, assume it does not. A position that chains reached
+        but none judged (each stopped before it) has no rate and adds nothing."""
+        if not self.num_steps:
+            return math.nan
+        rates = [0.0 if math.isnan(r) else r for r in self.per_position]
+        total = sum(expected_tokens(rates, n) * count for n, count in self.chain_lengths.items())
+        return total / self.num_steps
 
     def to_dict(self) -> dict:
         """JSON-ready: the raw (proposed, accepted, steps) triples and the histogram of accepted lengths."""
@@ -213,3 +236,71 @@ class RunStats:
         return RunStats(self.acceptance + other.acceptance, self.timing + other.timing, mirror)
 
     __add__ = add
+
+
+@dataclass(frozen=True)
+class SpeedupBound:
+    """The speedup a chain draft's measured acceptance and costs allow, to set beside the measured one.
+
+    Each verify step drafts a chain of n tokens (n = --k, or the cost model's pick per step; 0 = a
+    plain step) and runs one verify pass. From the acceptance counter: ``expected_tokens``, the mean
+    over the measured chain lengths of E(n) = 1 + sum_{i=1..n} prod_{j<=i} a_j. From the timing totals:
+    the mean seconds of a step's draft call and of its verify pass, each over a plain step: a decode
+    step of the target alone, the whole loop iteration (its decode seconds, prefill excluded, per
+    step). Tokens/s over many steps is total tokens over total seconds, so when k varies per step
+    (--k auto) the bound is mean E over mean cost of the steps actually run: the measured
+    distribution of k, taken as it was, not judged.
+
+    ``speedup`` is what the draft would reach if its loop spent nothing outside drafting and
+    verifying, against the target alone as measured. The measured speedup also pays the time between
+    steps (committing tokens, the loop) and the prefill, so ``efficiency`` = measured / bound is the
+    decoder's share; a low bound is the draft's (acceptance, or the cost of drafting). Prefill moves a
+    short run's measured speedup towards 1, so a bound below 1 can be beaten. Tree and mirror decoding
+    have other formulas and get no bound here.
+    """
+
+    expected_tokens: float
+    draft_cost: float
+    """Seconds of a step's draft call / seconds of a plain step."""
+    verify_cost: float
+    """Seconds of a step's verify pass (forward over the last token + drafts, accept, roll back) / a plain step."""
+    plain_step_seconds: float
+    chain_lengths: dict[int, int]
+    """Verify steps per chain length (``AcceptanceStats.chain_lengths``)."""
+    proposed_tokens: int
+
+    @classmethod
+    def measure(cls, draft: RunStats, baseline: RunStats) -> SpeedupBound | None:
+        """From a chain draft's stats and the target alone's over the same prompts; None when either ran
+        no decode step or a step took no time."""
+        steps, base_steps = draft.acceptance.num_steps, baseline.acceptance.num_steps
+        if not steps or not base_steps:
+            return None
+        plain = (baseline.timing.seconds - baseline.timing.prefill_seconds) / base_steps
+        draft_cost = draft.timing.draft_seconds / steps / plain if plain > 0 else 0.0
+        verify_cost = draft.timing.verify_seconds / steps / plain if plain > 0 else 0.0
+        if draft_cost + verify_cost <= 0:
+            return None
+        acc = draft.acceptance
+        return cls(
+            acc.expected_tokens, draft_cost, verify_cost, plain, acc.chain_lengths, acc.proposed_tokens
+        )
+
+    @property
+    def speedup(self) -> float:
+        """Expected tokens per step / expected cost of a step, in plain target steps."""
+        return self.expected_tokens / (self.draft_cost + self.verify_cost)
+
+    @property
+    def mean_chain_length(self) -> float:
+        return self.proposed_tokens / sum(self.chain_lengths.values())
+
+    @property
+    def draft_cost_per_token(self) -> float:
+        """Leviathan et al.'s c: seconds per drafted token / a plain step (nan when nothing was drafted)."""
+        steps = sum(self.chain_lengths.values())
+        return self.draft_cost * steps / self.proposed_tokens if self.proposed_tokens else math.nan
+
+    def efficiency(self, measured_speedup: float) -> float:
+        """Measured speedup / the bound: the share of what acceptance and costs allow that the run delivered."""
+        return measured_speedup / self.speedup

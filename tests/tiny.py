@@ -88,6 +88,13 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> torch.nn.Modu
     return model.eval()
 
 
+def save_tiny_model(path, arch: str = "llama", seed: int = 0):
+    """A tiny model and the byte tokenizer saved to ``path``: a model directory the CLI can load."""
+    tiny_model(arch, seed).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
 def tiny_target(arch: str = "llama", seed: int = 0, **overrides):
     from draftsmith.decode.target import Target
 
