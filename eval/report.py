@@ -112,18 +112,20 @@ NO_BOUND = {
 }
 
 
-def _bound_fields(draft: RunStats, baseline: RunStats, decoding: str) -> tuple[SpeedupBound | None, dict]:
-    """The speedup bound of a draft's steps and what it was computed from (or why there is none)."""
-    speedup = _ratio(draft.timing.tokens_per_s, baseline.timing.tokens_per_s)
-    bound = SpeedupBound.measure(draft, baseline) if decoding == "chain" else None
-    fields = {
+def _speedups(stats: RunStats, base: RunStats, decoding: str) -> dict:
+    """The measured speedup, the bound its steps allow (chain drafting only) and measured / bound."""
+    speedup = _ratio(stats.timing.tokens_per_s, base.timing.tokens_per_s)
+    bound = SpeedupBound.measure(stats, base) if decoding == "chain" else None
+    return {
+        "speedup": speedup,
         "speedup_bound": None if bound is None else _num(bound.speedup),
         "efficiency": None if bound is None or speedup is None else _num(bound.efficiency(speedup)),
     }
-    return bound, fields
 
 
-def _bound_inputs(bound: SpeedupBound | None, decoding: str) -> dict:
+def _bound_inputs(stats: RunStats, base: RunStats, decoding: str) -> dict:
+    """What the bound was computed from, or why there is none."""
+    bound = SpeedupBound.measure(stats, base) if decoding == "chain" else None
     if bound is None:
         return {"note": NO_BOUND.get(decoding, "no bound: no decode step was timed")}
     return {
@@ -141,16 +143,14 @@ def _draft_entry(
     draft: MethodResult, baseline: MethodResult, categories: list[str], latency_ms: float
 ) -> dict:
     acc = draft.total.acceptance
-    bound, bound_fields = _bound_fields(draft.total, baseline.total, draft.decoding)
     entry = {
         "name": draft.name,
         "tau": _num(acc.tau),
         "alpha": _num(acc.alpha),
         "per_position": [_num(x) for x in acc.per_position],
         **_timing_fields(draft.total),
-        "speedup": _ratio(draft.total.timing.tokens_per_s, baseline.total.timing.tokens_per_s),
-        **bound_fields,
-        "bound": _bound_inputs(bound, draft.decoding),
+        **_speedups(draft.total, baseline.total, draft.decoding),
+        "bound": _bound_inputs(draft.total, baseline.total, draft.decoding),
         "exact_match": draft.exact_match,
         "mismatched_prompts": draft.mismatched_prompts,
         "acceptance": {**acc.to_dict(), "proposed_at": acc.proposed_at, "accepted_at": acc.accepted_at},
@@ -166,8 +166,7 @@ def _draft_entry(
             "tau": _num(stats.acceptance.tau),
             "alpha": _num(stats.acceptance.alpha),
             "tokens_per_s": _num(stats.timing.tokens_per_s),
-            "speedup": _ratio(stats.timing.tokens_per_s, base.timing.tokens_per_s),
-            **_bound_fields(stats, base, draft.decoding)[1],
+            **_speedups(stats, base, draft.decoding),
             "exact_match": draft.category_exact.get(cat),
             "new_tokens": stats.timing.new_tokens,
         }

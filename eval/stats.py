@@ -242,29 +242,26 @@ class RunStats:
 class SpeedupBound:
     """The speedup a chain draft's measured acceptance and costs allow, to set beside the measured one.
 
-    Each verify step drafts a chain of n tokens (n = --k, or the cost model's pick per step; 0 = a
-    plain step) and runs one verify pass. From the acceptance counter: ``expected_tokens``, the mean
-    over the measured chain lengths of E(n) = 1 + sum_{i=1..n} prod_{j<=i} a_j. From the timing totals:
-    the mean seconds of a step's draft call and of its verify pass, each over a plain step: a decode
-    step of the target alone, the whole loop iteration (its decode seconds, prefill excluded, per
-    step). Tokens/s over many steps is total tokens over total seconds, so when k varies per step
-    (--k auto) the bound is mean E over mean cost of the steps actually run: the measured
-    distribution of k, taken as it was, not judged.
+    bound = E / (draft_cost + verify_cost). E: tokens per verify step from the per-position rates,
+    E(n) = 1 + sum_{i=1..n} prod_{j<=i} a_j averaged over the chain lengths n the steps drafted. Costs:
+    the mean seconds of a step's draft call and of its verify pass, over a plain step (the target
+    alone's decode seconds per step, prefill excluded). Tokens/s over a run is total tokens over total
+    seconds, so with k varying per step (--k auto) the bound takes the measured distribution of k as it
+    ran (mean E over mean cost), and does not judge the choice of k.
 
-    ``speedup`` is what the draft would reach if its loop spent nothing outside drafting and
-    verifying, against the target alone as measured. The measured speedup also pays the time between
-    steps (committing tokens, the loop) and the prefill, so ``efficiency`` = measured / bound is the
-    decoder's share; a low bound is the draft's (acceptance, or the cost of drafting). Prefill moves a
-    short run's measured speedup towards 1, so a bound below 1 can be beaten. Tree and mirror decoding
-    have other formulas and get no bound here.
+    It is what the draft would reach if its loop spent nothing outside drafting and verifying:
+    ``efficiency`` (measured / bound) below 1 is the decoder's shortfall (time between steps, prefill),
+    a low bound the draft's. Prefill pulls a short run towards 1, so a bound below 1 can be beaten.
+    Chains only: trees and mirror decoding follow other formulas.
     """
 
     expected_tokens: float
     draft_cost: float
-    """Seconds of a step's draft call / seconds of a plain step."""
+    """Seconds of a step's draft call / seconds of a plain step (the window also holds choosing k, --k auto)."""
     verify_cost: float
     """Seconds of a step's verify pass (forward over the last token + drafts, accept, roll back) / a plain step."""
     plain_step_seconds: float
+    """The target alone's decode seconds per step: the unit of both costs."""
     chain_lengths: dict[int, int]
     """Verify steps per chain length (``AcceptanceStats.chain_lengths``)."""
     proposed_tokens: int

@@ -146,8 +146,8 @@ class ScriptedDrafter(Drafter):
         pass
 
 
-def fake_clock_run(monkeypatch, prefill_s: float = PREFILL_S, between_steps_s: float = 0.0) -> dict:
-    """Evaluate the scripted drafter at k = K against the target alone, every second on a fake clock:
+def fake_clock_run(monkeypatch, prefill_s: float = PREFILL_S, between_steps_s: float = 0.0, k=K) -> dict:
+    """Evaluate the scripted drafter at ``k`` against the target alone, every second on a fake clock:
     prefill, target passes (``verify_s``), drafting, and ``between_steps_s`` per committed step."""
     target = tiny_target("llama")
     target.eos_ids = set()
@@ -173,7 +173,9 @@ def fake_clock_run(monkeypatch, prefill_s: float = PREFILL_S, between_steps_s: f
 
     monkeypatch.setattr(speculative, "commit_tokens", slow_commit)
     drafter = ScriptedDrafter(continuation, target.model.config.vocab_size, clock)
-    result = evaluate(target, [("scripted", drafter)], [prompt], k=K, max_new_tokens=MAX_NEW, warmup=0)
+    result = evaluate(
+        target, [("scripted", drafter)], [prompt], k=k, max_new_tokens=MAX_NEW, warmup=0, k_max=K
+    )
     assert result.drafts[0].exact_match is True
     return build_report(result, "tiny", {"k": K}, "fake clock")
 
@@ -220,6 +222,20 @@ def test_time_between_steps_lowers_the_efficiency_not_the_bound(monkeypatch):
     measured = (MAX_NEW - 1) * 0.011 / (CYCLES * len(PATTERN) * 0.017)
     assert d["speedup"] == pytest.approx(measured) and measured < bound
     assert d["efficiency"] == pytest.approx(measured / bound)  # 0.94: the decoder's share
+
+
+def test_with_k_auto_the_bound_takes_the_ks_as_run(monkeypatch):
+    """The cost model varies k per step (0 included); with no time outside the steps the measured speedup
+    is τ · plain / mean step cost, and the bound E · plain / mean step cost, so efficiency = τ / E exactly."""
+    d = fake_clock_run(monkeypatch, prefill_s=0.0, k="auto")["drafts"][0]
+    chosen = {int(n): c for n, c in d["bound"]["chain_lengths"].items()}
+    assert len(chosen) > 1 and 0 in chosen  # several chain lengths, plain steps among them
+    draft_s = sum(DRAFT_S_PER_TOKEN * n * c for n, c in chosen.items())
+    verify_total = sum(verify_s(n + 1) * c for n, c in chosen.items())
+    steps = sum(chosen.values())
+    assert d["bound"]["draft_cost"] == pytest.approx(draft_s / steps / 0.010)
+    assert d["bound"]["verify_cost"] == pytest.approx(verify_total / steps / 0.010)
+    assert d["efficiency"] == pytest.approx(d["tau"] / d["bound"]["expected_tokens"])
 
 
 def test_the_bound_appears_in_the_table_and_markdown(monkeypatch):
