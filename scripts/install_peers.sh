@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Optional extra: install the three peer EAGLE-3 pipelines (nvidia-modelopt, specforge,
+# speculators), each into its own venv under the draftsmith cache, never into the project's
+# .venv. Each venv gets the CPU torch wheel first, then the peer with --no-deps, then only the
+# packages that importing its EAGLE-3 model classes needs (their full requirement lists pull in
+# CUDA builds, SGLang and vLLM, none of which run here). Idempotent: a venv whose import check
+# passes is left alone; a second run only prints the venvs.
+#
+#   bash scripts/install_peers.sh                  # all three
+#   bash scripts/install_peers.sh specforge        # just one (modelopt | specforge | speculators)
+#   pytest tests/test_peer_heads.py                # uses the venvs it finds, skips the others
+#
+# Needs PyPI and nothing else (no Hub downloads). About a minute per peer.
+set -euo pipefail
+CACHE=${DRAFTSMITH_CACHE:-$HOME/.cache/draftsmith}
+ROOT="$CACHE/peers"
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+TORCH=${PEER_TORCH:-torch==2.13.0}
+
+# name | the peer's own release | what importing its EAGLE-3 classes needs | the import check
+declare -A RELEASE=(
+  [modelopt]="nvidia-modelopt==0.47.0"
+  [specforge]="specforge==0.2.0"
+  [speculators]="speculators==0.9.0"
+)
+declare -A DEPS=(
+  [modelopt]="transformers==5.14.0 safetensors pydantic>=2 omegaconf pyyaml numpy scipy tqdm rich regex packaging ninja pulp<4 nvidia-ml-py accelerate requests"
+  [specforge]="transformers==5.8.1 safetensors huggingface-hub pydantic pyyaml numpy tqdm psutil accelerate requests datasets"
+  [speculators]="transformers==5.19.0 safetensors huggingface-hub pydantic>=2 pydantic-settings loguru==0.7.3 numpy tqdm rich typer click openai datasets<=5.1.0 hs-connectors==0.9.0"
+)
+declare -A CHECK=(
+  [modelopt]="import modelopt.torch.speculative as mtsp, modelopt.torch.export.plugins.hf_spec_export"
+  [specforge]="from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3; import specforge.data.preprocessing"
+  [speculators]="from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig"
+)
+
+pip_install() { # quiet on success; pip's own output (less its notes on absent local indexes) on failure
+  local venv=$1 log
+  shift
+  log=$(mktemp)
+  if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@" >"$log" 2>&1; then
+    grep -v "^WARNING: Location" "$log" >&2
+    rm -f "$log"
+    return 1
+  fi
+  rm -f "$log"
+}
+
+install_peer() {
+  local name=$1 venv="$ROOT/$1"
+  if [ -x "$venv/bin/python" ] && [ -f "$venv/.draftsmith-installed" ] &&
+    [ "$(cat "$venv/.draftsmith-installed")" = "${RELEASE[$name]} ${DEPS[$name]}" ] &&
+    "$venv/bin/python" -W ignore -c "${CHECK[$name]}" >/dev/null 2>&1; then
+    echo "$name: $venv (already installed)"
+    return 0
+  fi
+  echo "install_peers: $name -> $venv" >&2
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  pip_install "$venv" "$TORCH"
+  # shellcheck disable=SC2086  # the dependency list is word-split on purpose
+  pip_install "$venv" ${DEPS[$name]}
+  pip_install "$venv" --no-deps "${RELEASE[$name]}"
+  "$venv/bin/python" -c "import torch; assert not torch.version.cuda, torch.version.cuda" ||
+    { echo "install_peers: $name got a CUDA torch; remove $venv and rerun" >&2; exit 1; }
+  "$venv/bin/python" -W ignore -c "${CHECK[$name]}" ||
+    { echo "install_peers: $name installed but its EAGLE-3 classes do not import" >&2; exit 1; }
+  echo "${RELEASE[$name]} ${DEPS[$name]}" >"$venv/.draftsmith-installed"
+  echo "$name: $venv"
+}
+
+mkdir -p "$ROOT"
+peers=("$@")
+[ ${#peers[@]} -gt 0 ] || peers=(modelopt specforge speculators)
+for name in "${peers[@]}"; do
+  [ -n "${RELEASE[$name]:-}" ] || { echo "install_peers: unknown peer '$name' (modelopt, specforge, speculators)" >&2; exit 2; }
+  install_peer "$name"
+done
