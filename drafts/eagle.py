@@ -70,6 +70,10 @@ class EagleConfig(PretrainedConfig):
         target: dict | None = None,
         initializer_range: float = 0.02,
         mirror: dict | None = None,
+        norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
+        norm_output: bool = False,
+        feature_input_norm: bool = False,
         **kwargs,
     ):
         kwargs.pop(DRAFT_KIND_KEY, None)
@@ -98,6 +102,11 @@ class EagleConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.mirror = dict(mirror) if mirror else None
         """A mirror draft's early_exit_layer, kappa and gamma (``drafts/mirror.py``); None otherwise."""
+        # EAGLE-3 variants other pipelines train (drafts/eagle_import.py reads them; draftsmith trains none):
+        self.norm_before_residual = norm_before_residual  # the first layer's residual is hidden_norm(feature)
+        self.norm_before_fc = norm_before_fc  # one RMSNorm over the concatenated target states before fc
+        self.norm_output = norm_output  # the hidden state fed back is the final norm's output
+        self.feature_input_norm = feature_input_norm  # the feature passes input_layernorm before hidden_norm
         # the kind's name (earlier versions wrote "eagle"); a mirror draft is an EAGLE-3 head underneath
         setattr(self, DRAFT_KIND_KEY, "mirror" if self.mirror else preset)
         super().__init__(**kwargs)
@@ -235,8 +244,10 @@ def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
 class WideInputLayer(nn.Module):
     """EAGLE-3's first layer: a stock Llama decoder layer whose q/k/v read [norm_e(emb), norm_f(feature)] (2H)."""
 
-    def __init__(self, config: LlamaConfig, layer_idx: int):
+    def __init__(self, config: LlamaConfig, layer_idx: int, norm_before_residual: bool = False,
+                 feature_input_norm: bool = False):  # fmt: skip
         super().__init__()
+        self.norm_before_residual, self.feature_input_norm = norm_before_residual, feature_input_norm
         self.layer = LlamaDecoderLayer(config, layer_idx)
         attn = self.layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):
@@ -247,14 +258,17 @@ class WideInputLayer(nn.Module):
         self.feature_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, emb, feature, position_embeddings, attention_mask, cache) -> torch.Tensor:
-        x = torch.cat([self.layer.input_layernorm(emb), self.feature_norm(feature)], dim=-1)
+        normed = self.feature_norm(
+            self.layer.input_layernorm(feature) if self.feature_input_norm else feature
+        )
+        x = torch.cat([self.layer.input_layernorm(emb), normed], dim=-1)
         attn, _ = self.layer.self_attn(
             hidden_states=x,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             cache=cache,
         )
-        h = feature + attn
+        h = (normed if self.norm_before_residual else feature) + attn
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
 
 
@@ -279,8 +293,12 @@ class EagleHead(PreTrainedModel):
         H, V = config.hidden_size, config.vocab_size
         self.embed_tokens = nn.Embedding(V, H)
         if config.preset == "eagle3":
+            if config.norm_before_fc:
+                self.fuse_norm = LlamaRMSNorm(len(config.capture_layer_ids) * H, eps=config.rms_norm_eps)
             self.fuse_features = nn.Linear(len(config.capture_layer_ids) * H, H, bias=False)
-            first: list[nn.Module] = [WideInputLayer(cfg, 0)]
+            first: list[nn.Module] = [
+                WideInputLayer(cfg, 0, config.norm_before_residual, config.feature_input_norm)
+            ]
             self.layers = nn.ModuleList(
                 first + [LlamaDecoderLayer(cfg, i) for i in range(1, config.num_decoder_layers)]
             )
@@ -390,7 +408,9 @@ class EagleHead(PreTrainedModel):
             )
         dtype = self.embed_tokens.weight.dtype
         x = torch.cat([features[i].to(dtype) for i in self.config.capture_layer_ids], dim=-1)
-        return self.fuse_features(x) if self.config.preset == "eagle3" else x
+        if self.config.preset != "eagle3":
+            return x
+        return self.fuse_features(self.fuse_norm(x) if self.config.norm_before_fc else x)
 
     def step(
         self,
@@ -413,14 +433,15 @@ class EagleHead(PreTrainedModel):
             h = self.input_proj(torch.cat([emb, feature.to(emb.dtype)], dim=-1))
         for layer in layers:
             h = layer(h, attention_mask=attention_mask, position_embeddings=pos, cache=cache)
-        return h
+        return self.norm(h) if self.config.norm_output else h
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states [..., H] → logits over the draft vocabulary [..., Vd]."""
+        normed = hidden if self.config.norm_output else self.norm(hidden)  # norm_output: step normed it
         if self.config.lm_head_is_embedding:
-            logits = F.linear(self.norm(hidden), self.embed_tokens.weight)
+            logits = F.linear(normed, self.embed_tokens.weight)
         else:  # a module call, so decoding's packed CPU kernels (decode/cpu_kernels.py) apply to it
-            logits = self.lm_head(self.norm(hidden))
+            logits = self.lm_head(normed)
         if self.config.logit_softcap:
             logits = torch.tanh(logits / self.config.logit_softcap) * self.config.logit_softcap
         return logits

@@ -54,6 +54,8 @@ LAST_LAYER_CAPTURED = {"vllm", "speculators"}
 """Engines that can hand the head the output of the target's last decoder layer: vLLM captures it at id
 N (after its layer loop). SGLang captures only layer inputs, and llama.cpp's Llama graph exports layer
 inputs only (id N asks for an embedding a Llama target never sets)."""
+VARIANT_FIELDS = ("norm_before_residual", "norm_before_fc", "norm_output", "feature_input_norm")
+"""EagleConfig options of heads from other pipelines (drafts/eagle_import.py) no export layout here carries."""
 ENGINE_NAMES = {
     "vllm": "vLLM",
     "speculators": "vLLM (speculators format)",
@@ -122,6 +124,13 @@ def check_exportable(config: dict, engine: str) -> None:
         )
     if config.get("lm_head_is_embedding") or config.get("logit_softcap"):
         raise ValueError("EAGLE-3 heads exported to engines need their own LM head and no logit softcap")
+    variants = [key for key in VARIANT_FIELDS if config.get(key)]
+    if variants:
+        raise ValueError(
+            f"the head was imported from another pipeline and uses {', '.join(variants)}: variants of EAGLE-3 "
+            f"the {name} layout draftsmith writes does not express (it would run another function). Evaluate it "
+            "with `draftsmith eval`, or export it with the pipeline that trained it."
+        )
 
 
 def ascending_capture(layer_ids: list[int], fc: torch.Tensor) -> tuple[list[int], torch.Tensor]:
