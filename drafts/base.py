@@ -35,6 +35,13 @@ RUN_DRAFT = "draft"
 TARGET_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "tokenizer_fingerprint")
 """Fields of ``Target.record()`` that must agree for a draft to be used with a target (the name may differ)."""
 
+PEER_EAGLE3 = "peer_eagle3"
+"""The kind of an EAGLE-3 head another pipeline wrote (SpecForge, ModelOpt, speculators, SafeAILab/EAGLE):
+read into draftsmith's head for the target it is used with (``drafts/eagle_import.py``)."""
+FOREIGN_EAGLE_FIELDS = ("draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids", "speculators_config",
+                        "speculators_model_type", "target_hidden_size")  # fmt: skip
+"""config.json fields EAGLE heads of other pipelines write and causal LMs do not."""
+
 ENGINES = ("hf", "vllm", "sglang", "speculators", "gguf")
 """The layouts ``draftsmith export --to`` writes, which a kind's record names in ``exports``/``refusals``."""
 
@@ -83,6 +90,7 @@ KIND_MODULES = {
     "ngram": "draftsmith.drafts.ngram",
     "layers": "draftsmith.drafts.layer_subset",
     "mirror": "draftsmith.drafts.mirror",
+    PEER_EAGLE3: "draftsmith.drafts.eagle_import",
 }
 """Kind name -> the module that registers its record (imported on first use)."""
 LEGACY_KINDS = {"eagle": None, "small_lm": "distill", "causal_lm": "distill"}
@@ -111,9 +119,19 @@ def draft_kind(name: str) -> DraftKind:
     return _KINDS[name]
 
 
+def is_foreign_eagle(config: dict) -> bool:
+    """True for a ``config.json`` draftsmith did not write that looks like an EAGLE head (its architecture
+    or its fields say so): it is read by ``drafts/eagle_import.py``, never as an independent causal LM."""
+    if DRAFT_KIND_KEY in config:
+        return False
+    arch = " ".join(str(a) for a in config.get("architectures") or []).lower()
+    return "eagle" in arch or "speculator" in arch or any(key in config for key in FOREIGN_EAGLE_FIELDS)
+
+
 def kind_of_config(config: dict) -> DraftKind:
-    """The kind a saved draft's ``config.json`` (as a dict) says it is; a plain causal LM is ``distill``."""
-    name = config.get(DRAFT_KIND_KEY) or "distill"
+    """The kind a saved draft's ``config.json`` (as a dict) says it is; a plain causal LM is ``distill``, an
+    EAGLE head from another pipeline ``peer_eagle3``."""
+    name = config.get(DRAFT_KIND_KEY) or (PEER_EAGLE3 if is_foreign_eagle(config) else "distill")
     if name in LEGACY_KINDS:
         name = LEGACY_KINDS[name] or config.get("preset", "eagle3")
     return draft_kind(name)

@@ -17,11 +17,11 @@ from draftsmith.train.registry import objective_kinds
 
 
 def test_every_kind_has_one_name_and_the_trainable_ones_an_objective():
-    assert kind_names() == ["distill", "eagle1", "eagle3", "layers", "medusa", "mirror", "ngram"]
+    assert kind_names() == ["distill", "eagle1", "eagle3", "layers", "medusa", "mirror", "ngram", "peer_eagle3"]
     for name in kind_names():
         assert draft_kind(name).name == name
     assert {"distill", "eagle1", "eagle3", "medusa", "mirror"} <= set(objective_kinds())
-    assert not {"ngram", "layers"} & set(objective_kinds())
+    assert not {"ngram", "layers", "peer_eagle3"} & set(objective_kinds())  # peer_eagle3: read, not trained
     with pytest.raises(ValueError, match="unknown draft kind 'egale3'.*Did you mean 'eagle3'"):
         draft_kind("egale3")
 
