@@ -14,14 +14,14 @@ import shutil
 from pathlib import Path
 
 from draftsmith import files
-from draftsmith.draft_checkpoint import DraftCheckpoint
+from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
 from draftsmith.drafts.base import ENGINES
 from draftsmith.export.verify import ExportVerificationError, verify_export
 
 TRAINING_FILES = {"train_state.json", "train_config.yaml"}
 """Files in a draft directory that describe the run, not the model: not part of an engine export."""
 
-__all__ = ["ENGINES", "ExportVerificationError", "export_checkpoint", "verify_export"]
+__all__ = ["ENGINES", "ExportVerificationError", "export_checkpoint", "import_peer_head", "verify_export"]
 
 
 def copy_draft(ckpt: DraftCheckpoint, out: Path) -> None:
@@ -46,6 +46,23 @@ def target_gguf_of(ckpt: DraftCheckpoint, given: str | None) -> Path | None:
     if name.endswith(".gguf") and Path(name).is_file():
         return Path(name)
     return None
+
+
+def import_peer_head(ckpt: DraftCheckpoint, target_spec: str | None, workdir: Path) -> DraftCheckpoint:
+    """An EAGLE-3 head another pipeline wrote (``drafts/eagle_import.py``), read for the target ``target_spec``
+    and saved in draftsmith's layout under ``workdir``, where every export of it starts from."""
+    if not target_spec:
+        raise ValueError(
+            f"{ckpt.draft_dir} is an EAGLE-3 head from another pipeline, which names no target draftsmith can "
+            "check it against: pass --target with the model it drafts for (an id or a directory)"
+        )
+    from draftsmith.decode.target import load_target
+    from draftsmith.drafts.eagle_import import import_head
+
+    head = import_head(load_target(target_spec, device="cpu"), ckpt.draft_dir)
+    out = workdir / ckpt.draft_dir.resolve().name
+    head.save_pretrained(out)
+    return locate_checkpoint(str(out))
 
 
 def export_checkpoint(

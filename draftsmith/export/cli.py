@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
-from draftsmith.export import ENGINES, export_checkpoint
+from draftsmith.drafts.base import PEER_EAGLE3
+from draftsmith.export import ENGINES, export_checkpoint, import_peer_head
 
 DESCRIPTION = """\
 Export a draft checkpoint (a `draftsmith train` run directory, its draft/ directory, or a Hub id) in
@@ -27,6 +29,8 @@ Distilled small drafts (ordinary causal LMs):
   --to hf / vllm / sglang   the transformers directory (assistant_model; vLLM/SGLang draft model)
   --to gguf    one GGUF file for llama.cpp / LM Studio (Llama architecture only)
 Medusa drafts and EAGLE-1 heads: --to hf only (the engines have no loader for them; the error says why)
+EAGLE-3 heads other pipelines wrote (SpecForge/SGLang, ModelOpt, speculators, SafeAILab/EAGLE): give --target;
+  the head is read into draftsmith's layout for it (docs/EXPORT.md, "Reading heads from other pipelines")
 
 Loader versions and conventions: docs/EXPORT.md."""
 
@@ -68,6 +72,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "small draft's tokenizer is written from its own files, and an EAGLE-3 head needs this flag)",
     )
     p.add_argument(
+        "--target",
+        metavar="MODEL",
+        default=None,
+        help="the target model (id or directory) of an EAGLE-3 head another pipeline wrote (SpecForge, ModelOpt, "
+        "speculators, SafeAILab/EAGLE): the head is read for it and checked against it before export",
+    )
+    p.add_argument(
         "--verify", action="store_true", help="only verify CKPT as an existing --to export; write nothing"
     )
     p.set_defaults(func=run)
@@ -91,7 +102,12 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_out(ckpt, args.to)
     if out.exists() and out.is_dir() and any(out.iterdir()) and out.suffix != ".gguf":
         raise ValueError(f"--out {out} exists and is not empty; pass a new folder (exports are never merged)")
-    written = export_checkpoint(ckpt, args.to, out, args.gguf_dtype, args.target_gguf)
+    if ckpt.kind.name == PEER_EAGLE3:  # read into draftsmith's layout for its target, exported from there
+        with tempfile.TemporaryDirectory() as tmp:
+            imported = import_peer_head(ckpt, args.target, Path(tmp))
+            written = export_checkpoint(imported, args.to, out, args.gguf_dtype, args.target_gguf)
+    else:
+        written = export_checkpoint(ckpt, args.to, out, args.gguf_dtype, args.target_gguf)
     print(f"wrote {written}")
     for line in verify_export(written, args.to):
         print(line)
