@@ -26,7 +26,7 @@ from draftsmith.eval.report import hardware_description, write_json
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct")
-    p.add_argument("--prompts", default="../shared/data/dev/prompts.jsonl")
+    p.add_argument("--prompts", default="builtin:dev_prompts")
     p.add_argument("--limit", type=int, default=16, help="prompts decoded per method and batch size")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8])

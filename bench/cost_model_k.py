@@ -59,7 +59,7 @@ def main() -> None:
     )
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--prompts", default="../shared/data/dev/prompts.jsonl")
+    parser.add_argument("--prompts", default="builtin:dev_prompts")
     parser.add_argument("--limit", type=int, default=12, help="prompts (the first is also the warm-up)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument(

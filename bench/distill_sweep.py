@@ -28,7 +28,6 @@ from pathlib import Path
 from draftsmith.eval.report import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
 RECIPE = ROOT / "configs" / "smollm2_distill.yaml"
 LOSSES = ("fkl", "rkl", "jsd", "tvd")
 MODES = ("fixed", "regenerated", "on_policy")
@@ -135,7 +134,7 @@ def main() -> None:
     drafts = [str(undistilled), f"layers:{args.num_layers}", *map(str, trained.values())]
     draftsmith(
         "eval", "--target", "smollm2-135m-instruct", *[a for d in drafts for a in ("--draft", d)],
-        "--prompts", str(DATA / "dev" / "prompts.jsonl"), "--order", "round-robin",
+        "--prompts", "builtin:dev_prompts", "--order", "round-robin",
         "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--k", str(args.k),
         "--out", str(eval_dir),
     )  # fmt: skip

@@ -178,7 +178,7 @@ def _smollm2_dir() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", default="../shared/data/dev/prompts.jsonl")
+    p.add_argument("--prompts", default="builtin:dev_prompts")
     p.add_argument("--limit", type=int, default=6, help="timed prompts (one more warms up)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=5)

@@ -19,30 +19,44 @@ DATA=/tmp/gpu/data
 RUN=/tmp/gpu/run
 RECIPE=configs/smollm2_eagle3.yaml
 TRAIN_FLAGS=(
-    "--data.paths=[$DATA/selfdistilled.jsonl,../shared/data/train/sharegpt_1000.jsonl,../shared/data/train/gsm8k_train.jsonl,../shared/data/train/gpteacher_codegen.json]"
+    "--data.paths=[$DATA/selfdistilled.jsonl,builtin:sharegpt_1000,builtin:gsm8k_train,builtin:gpteacher_codegen]"
     --data.pack=true --trainer.grad_accum=1 --optim.lr=1.0e-3 --trainer.num_workers=2
 )
 
 prepare() {  # here, on the CPU machine: wheels the device lacks, the data, and the GGUF in two halves
     local gguf
-    gguf=$(.venv/bin/python -c "from draftsmith.decode.target import smollm2_gguf_path as p; print(p())")
+    gguf=$(.venv/bin/python -c "from draftsmith.loading import smollm2_gguf_path as p; print(p())")
     rm -rf .dev && mkdir -p .dev/whl .dev/data .dev/tok
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .dev/whl transformers==5.24.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 gguf==0.19.0 \
         regex==2026.11.19
     .venv/bin/pip wheel -q --no-deps --no-build-isolation . -w .dev/whl && rm -rf build
+    # the shipped data (draftsmith/data) travels once, in the working tree; the wheel goes without it
+    .venv/bin/python - .dev/whl/draftsmith-*.whl <<'PY'
+import sys, zipfile
+path = sys.argv[1]
+with zipfile.ZipFile(path) as z:
+    kept = [(i, z.read(i)) for i in z.infolist() if not i.filename.startswith("draftsmith/data/")]
+with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+    for info, data in kept:
+        if info.filename.endswith(".dist-info/RECORD"):
+            data = b"".join(l for l in data.splitlines(True) if not l.startswith(b"draftsmith/data/"))
+        z.writestr(info, data)
+PY
     local converted
-    converted=$(.venv/bin/python -c "from draftsmith.decode.target import resolve_model_path as r; print(r('smollm2-135m-instruct')[0])")
+    converted=$(.venv/bin/python -c "from draftsmith.loading import resolve_model_path as r; print(r('smollm2-135m-instruct')[0])")
     cp "$converted"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .dev/tok/
     local own=(runs/qs/regenerated.jsonl runs/qs/regenerated_more.jsonl runs/synth/regenerated.jsonl)
     if [[ -f ${own[0]} ]]; then  # issue 3's run mixed in earlier regenerated answers; gpu_truth makes its own
         cat "${own[@]}" | gzip -c > .dev/data/selfdistilled.jsonl.gz
     fi
-    for f in train/sharegpt_1000.jsonl train/gsm8k_train.jsonl train/gpteacher_codegen.json dev/prompts.jsonl; do
-        gzip -c "../shared/data/$f" > ".dev/data/$(basename "$f").gz"
-    done
-    head -c 37000000 "$gguf" > .dev/ga && tail -c +37000001 "$gguf" > .dev/gb
+    # the shipped data travels inside draftsmith's wheel (builtin: names); the GGUF is split so that each
+    # call, the working tree included, stays under 64 MiB
+    head -c 39000000 "$gguf" > .dev/ga && tail -c +39000001 "$gguf" > .dev/gb
+    du -cb .dev/whl .dev/tok .dev/data .dev/ga | tail -1 | awk '{printf "call 1 carries %.1f MiB + the tree\n", $1 / 1048576}'
+    du -cb .dev/gb | tail -1 | awk '{printf "call 2 carries %.1f MiB + the tree\n", $1 / 1048576}'
+    git ls-files -z | xargs -0 du -cb | tail -1 | awk '{printf "the tree: %.1f MiB\n", $1 / 1048576}'
 }
 
 install() {  # on the device: the wheels, the data, the GGUF's first half; prints the GPU and versions
@@ -50,12 +64,8 @@ install() {  # on the device: the wheels, the data, the GGUF's first half; print
     mkdir -p "$OUT" /tmp/gpu "$DATA"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .dev/whl/*.whl || return 1
+    rm -rf /tmp/site/draftsmith/data && cp -r draftsmith/data /tmp/site/draftsmith/data  # see prepare
     cp .dev/ga /tmp/gpu/ga
-    mkdir -p ../shared/data/train ../shared/data/dev
-    for f in sharegpt_1000.jsonl gsm8k_train.jsonl gpteacher_codegen.json; do
-        gunzip -c ".dev/data/$f.gz" > "../shared/data/train/$f"
-    done
-    gunzip -c .dev/data/prompts.jsonl.gz > ../shared/data/dev/prompts.jsonl
     if [[ -f .dev/data/selfdistilled.jsonl.gz ]]; then
         gunzip -c .dev/data/selfdistilled.jsonl.gz > "$DATA/selfdistilled.jsonl"
     fi

@@ -38,17 +38,14 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.sources import BUILTIN_TRAIN
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batched import time_batched  # noqa: E402
 from gpu_eagle3 import fit_and_train  # noqa: E402
 from peers import ds_runner, hf_runner, time_runners  # noqa: E402
 
-TRAIN = "../shared/data/train"
-TRAIN_FILES = [
-    f"{TRAIN}/sharegpt_1000.jsonl",
-    f"{TRAIN}/gsm8k_train.jsonl",
-    f"{TRAIN}/gpteacher_codegen.json",
-]
+TRAIN_FILES = list(BUILTIN_TRAIN)
 RECIPE = "configs/smollm2_eagle3.yaml"
 
 
@@ -308,7 +305,7 @@ def main() -> None:
     p.add_argument("--probe-steps", type=int, default=8)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--train-override", action="append", default=[], help="another recipe override")
-    p.add_argument("--prompts", default="../shared/data/dev/prompts.jsonl")
+    p.add_argument("--prompts", default="builtin:dev_prompts")
     p.add_argument("--limit", type=int, default=24, help="dev prompts decoded per setting")
     p.add_argument("--decode-max-new-tokens", dest="decode_max_new", type=int, default=128)
     p.add_argument("--k", type=int, default=5)

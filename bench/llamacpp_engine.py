@@ -15,7 +15,7 @@ without a draft are the tokens left over. tok/s counts prompt processing and gen
 engines. Prints a table, writes JSON.
 
     python bench/llamacpp_engine.py --head runs/quickstart/eagle3 --small runs/distill_qs \\
-        --prompts ../shared/data/dev/prompts.jsonl --limit 12 --out bench/results/llamacpp_engine.json
+        --prompts builtin:dev_prompts --limit 12 --out bench/results/llamacpp_engine.json
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--head", help="EAGLE-3 head: run or draft directory (trained for smollm2-135m-instruct)")
     p.add_argument("--small", help="distilled small draft: run or draft directory")
-    p.add_argument("--prompts", default="../shared/data/dev/prompts.jsonl")
+    p.add_argument("--prompts", default="builtin:dev_prompts")
     p.add_argument("--limit", type=int, default=12)
     p.add_argument("--order", default="round-robin")
     p.add_argument("--max-new-tokens", type=int, default=96)

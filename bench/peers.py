@@ -10,7 +10,7 @@ Runs, greedy and batch 1, on the first N dev prompts:
   hf:assisted(NAME), ds:NAME  with --assistant DIR: a saved draft (e.g. distilled) in both decoders
 Every method warms up on one prompt first. Prints a table, writes JSON.
 
-    python bench/peers.py --prompts ../shared/data/dev/prompts.jsonl --limit 12 --out bench/results/peers.json
+    python bench/peers.py --prompts builtin:dev_prompts --limit 12 --out bench/results/peers.json
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--prompts", default="../shared/data/dev/prompts.jsonl")
+    parser.add_argument("--prompts", default="builtin:dev_prompts")
     parser.add_argument("--limit", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--k", type=int, default=5, help="draft length for every speculative method")

@@ -20,9 +20,8 @@ from pathlib import Path
 
 from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.loading import load_causal_lm
+from draftsmith.sources import BUILTIN_TRAIN
 from draftsmith.train.regenerate import BATCHING, first_user_turns, regenerate
-
-TRAIN = "../shared/data/train"
 
 
 def main() -> None:
@@ -32,9 +31,7 @@ def main() -> None:
         "--data",
         nargs="+",
         default=[
-            f"{TRAIN}/sharegpt_1000.jsonl",
-            f"{TRAIN}/gsm8k_train.jsonl",
-            f"{TRAIN}/gpteacher_codegen.json",
+            *BUILTIN_TRAIN,
         ],
     )
     p.add_argument("--count", type=int, default=256, help="prompts answered by each mode")

@@ -9,6 +9,7 @@ another user). This module imports nothing else of draftsmith: every layer may u
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -158,11 +159,23 @@ def json_error(err, text: str) -> str:
     )
 
 
-def read_jsonl(path: str | Path, holds: str):
-    """``(line number, record)`` for every non-blank line of a JSONL file; a malformed line is an error that
-    names ``file:line``, the column and the text around it (``holds``: what a line is, for the message)."""
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def open_text(path: str | Path):
+    """Open a UTF-8 text file for reading, gzip-compressed or not (told by its first bytes, not its name)."""
     path = Path(path)
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:
+        compressed = f.read(2) == GZIP_MAGIC
+    return gzip.open(path, "rt", encoding="utf-8") if compressed else path.open(encoding="utf-8")
+
+
+def read_jsonl(path: str | Path, holds: str):
+    """``(line number, record)`` for every non-blank line of a JSONL file (gzip-compressed or not); a
+    malformed line is an error that names ``file:line``, the column and the text around it (``holds``:
+    what a line is, for the message)."""
+    path = Path(path)
+    with open_text(path) as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue

@@ -9,7 +9,10 @@
 2. ``draftsmith eval``: the head against the n-gram drafter and the target alone on dev prompts
    (never trained on).
 
-Every step is resumable: rerun the command after an interruption and finished steps are skipped.
+The data ships with draftsmith (``draftsmith data list``); --data trains on your own files or a Hub
+dataset instead. --smoke runs the same path in seconds (a few steps, two prompts): a check that the
+installation works, not a head. Every step is resumable: rerun the command after an interruption and
+finished steps are skipped.
 """
 
 from __future__ import annotations
@@ -19,9 +22,15 @@ import json
 import os
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
-TRAIN_FILES = ["sharegpt_1000.jsonl", "gsm8k_train.jsonl", "gpteacher_codegen.json"]
+from draftsmith.sources import BUILTIN_TRAIN
+
+PROMPTS = "builtin:dev_prompts"
+SMOKE_TRAINING = [
+    "--trainer.max_steps=3", "--trainer.batch_size=2", "--trainer.val_every=3", "--trainer.ckpt_every=3",
+    "--trainer.log_every=1", "--trainer.max_time=null", "--data.max_length=128", "--data.limit=48",
+    "--data.heldout=4",
+]  # fmt: skip
+"""--smoke: the quickstart recipe cut to a few steps on short rows (train's own overrides)."""
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -31,8 +40,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", default="runs/quickstart", help="working directory (default: %(default)s)")
-    p.add_argument("--data", default=str(DATA), help="the shared data folder (train/ and dev/ inside)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="working directory (default: runs/quickstart, runs/quickstart_smoke with --smoke)",
+    )
+    p.add_argument(
+        "--data",
+        nargs="+",
+        default=list(BUILTIN_TRAIN),
+        metavar="SOURCE",
+        help="training conversations: files, builtin: names or hf: datasets (default: the shipped ones, "
+        + " ".join(BUILTIN_TRAIN)
+        + ")",
+    )
+    p.add_argument(
+        "--prompts",
+        default=PROMPTS,
+        help="dev prompts to evaluate on (default: %(default)s, never trained on)",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the same path in seconds: 3 training steps on short rows, 2 prompts of 16 tokens (a check "
+        "of the installation, not a head)",
+    )
     p.add_argument(
         "--regenerate",
         type=int,
@@ -63,15 +95,14 @@ def training_finished(run_dir: Path, recipe: Path, overrides: list[str]) -> bool
 
 def run(args: argparse.Namespace) -> int:
     from draftsmith.cli import main
+    from draftsmith.sources import check_source
     from draftsmith.train.config import resolve_recipe
     from draftsmith.train.regenerate import first_user_turns
 
-    data = Path(args.data)
-    if not (data / "train").is_dir() or not (data / "dev" / "prompts.jsonl").is_file():
-        raise FileNotFoundError(
-            f"{data} has no train/ and dev/prompts.jsonl; pass --data to the shared data folder"
-        )
-    out = Path(args.out)
+    for spec in args.data:
+        check_source(spec, "--data")
+    check_source(args.prompts, "--prompts")
+    out = Path(args.out or ("runs/quickstart_smoke" if args.smoke else "runs/quickstart"))
     out.mkdir(parents=True, exist_ok=True)
 
     def step(title: str, argv: list[str]) -> None:
@@ -81,12 +112,12 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(code)
 
     target = ["--target", "smollm2-135m-instruct", "--device", args.device]
-    data_override = ["--data.paths=[" + ", ".join(str(data / "train" / name) for name in TRAIN_FILES) + "]"]
+    data_override = [f"--data.paths={json.dumps(args.data)}"]
     if args.regenerate:
         prompts, regenerated = out / "prompts.jsonl", out / "regenerated.jsonl"
         if not prompts.exists():
             tmp = prompts.with_suffix(".tmp")
-            rows = first_user_turns([data / "train" / name for name in TRAIN_FILES], args.regenerate)
+            rows = first_user_turns(args.data, args.regenerate)
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
             os.replace(tmp, prompts)
         step(
@@ -97,19 +128,22 @@ def run(args: argparse.Namespace) -> int:
         data_override.append(f"--data.regenerated={regenerated}")
     run_dir = out / "eagle3"
     recipe = resolve_recipe("quickstart")
-    if not training_finished(run_dir, recipe, args.overrides):
+    overrides = [*(SMOKE_TRAINING if args.smoke else []), *args.overrides]
+    if not training_finished(run_dir, recipe, overrides):
         resume = ["--resume"] if (run_dir / "checkpoints" / "last.ckpt").exists() else []
         step(
             "1/2 train an EAGLE-3 head (configs/quickstart.yaml)",
             ["train", str(recipe), *data_override, f"--output.dir={run_dir}",
-             f"--target.device={args.device}", *resume, *args.overrides],
+             f"--target.device={args.device}", *resume, *overrides],
         )  # fmt: skip
+    eval_size = ["--limit", "2", "--max-new-tokens", "16"] if args.smoke else [
+        "--limit", str(args.eval_prompts), "--max-new-tokens", "96"
+    ]  # fmt: skip
     eval_dir = run_dir / "eval"  # inside the run: `draftsmith publish RUN` finds the report there
     step(
         "2/2 evaluate on held-out dev prompts: the head and n-gram lookup vs the target alone",
         ["eval", *target, "--draft", str(run_dir / "draft"), "--draft", "ngram",
-         "--prompts", str(data / "dev" / "prompts.jsonl"), "--order", "round-robin",
-         "--limit", str(args.eval_prompts), "--max-new-tokens", "96", "--out", str(eval_dir)],
+         "--prompts", args.prompts, "--order", "round-robin", *eval_size, "--out", str(eval_dir)],
     )  # fmt: skip
     print(
         f"\n[quickstart] done.\n  draft checkpoint: {run_dir / 'draft'}\n"

@@ -45,7 +45,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="a draft to measure (repeat for several): ngram, ngram:N (n-gram prompt lookup, longest n = N), "
         "layers:N (the target's own first N layers), or a draft checkpoint directory / model id",
     )
-    p.add_argument("--prompts", required=True, metavar="FILE.jsonl", help="the prompt file (format above)")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        metavar="FILE.jsonl",
+        help="the prompt file (format above), or builtin:dev_prompts (the 1,194 dev prompts shipped with draftsmith)",
+    )
     p.add_argument(
         "--limit",
         type=int,

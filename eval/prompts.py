@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.files import read_jsonl
+from draftsmith.sources import HubSource, parse_source
 
 DEFAULT_CATEGORY = "default"
 ORDERS = ("file", "round-robin")
@@ -64,8 +65,15 @@ def _parse_record(record: object, where: str, lineno: int) -> EvalPrompt:
 
 
 def read_prompts(path: str | Path) -> list[EvalPrompt]:
-    """Every prompt in a JSONL file, in file order; blank lines are skipped."""
-    path = Path(path)
+    """Every prompt in a JSONL file (or a built-in prompt set, ``builtin:dev_prompts``), in file order;
+    blank lines are skipped."""
+    spec = path
+    path = parse_source(path)
+    if isinstance(path, HubSource):
+        raise ValueError(
+            f"--prompts {spec}: prompts are read from a JSONL file or builtin:dev_prompts, not a dataset; "
+            "write the prompts you want to a JSONL file (one object a line with 'turns' or 'prompt')"
+        )
     if not path.is_file():
         raise FileNotFoundError(
             f"prompt file {path} does not exist (expected a JSONL file, one JSON object a line)"

@@ -6,8 +6,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
 
 def pytest_collection_modifyitems(config, items):
     """`slow` tests (the real bundled target) run unless DRAFTSMITH_SKIP_SLOW=1."""
@@ -27,10 +25,3 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session")
-def shared_data() -> Path:
-    if not SHARED_DATA.exists():
-        pytest.skip(f"{SHARED_DATA} not present")
-    return SHARED_DATA

@@ -10,6 +10,8 @@ import pytest
 import torch
 from tiny import tiny_tokenizer
 
+from draftsmith.files import open_text
+from draftsmith.sources import BUILTIN_TRAIN, builtin_path
 from draftsmith.train.data import (
     build_dataset,
     collate,
@@ -101,15 +103,16 @@ def test_every_shape_loads_into_messages(tmp_path):
     ]
 
 
-def test_real_training_files_load(shared_data):
-    train = shared_data / "train"
-    sharegpt = [json.loads(line) for line in (train / "sharegpt_1000.jsonl").read_text().splitlines()]
+def test_the_shipped_training_files_load_by_their_builtin_names():
+    def lines(name: str) -> list[str]:
+        with open_text(builtin_path(name)) as f:
+            return f.read().splitlines()
+
+    sharegpt = [json.loads(line) for line in lines("sharegpt_1000")]
     with_prompt = sum(any(t["from"] != "gpt" for t in r["conversations"]) for r in sharegpt)
-    gsm8k = [json.loads(line) for line in (train / "gsm8k_train.jsonl").read_text().splitlines()]
-    codegen = json.loads((train / "gpteacher_codegen.json").read_text())
-    ds = load_conversations(
-        [train / "sharegpt_1000.jsonl", train / "gsm8k_train.jsonl", train / "gpteacher_codegen.json"]
-    )
+    gsm8k = [json.loads(line) for line in lines("gsm8k_train")]
+    codegen = json.loads("\n".join(lines("gpteacher_codegen")))
+    ds = load_conversations(list(BUILTIN_TRAIN))
     assert len(ds) == with_prompt + len(gsm8k) + len(codegen) == with_prompt + 7473 + 4535
     assert all(m[0]["role"] != "assistant" for m in ds["messages"][:with_prompt])
     first_gsm = ds[with_prompt]["messages"]

@@ -12,7 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"decode": "decode", "drafts": "drafts", "eval": "eval", "train": "train", "draftsmith": ""}
 """Top-level folder -> its subpackage of ``draftsmith`` (the app folder is the package itself)."""
 LAYERS = [
-    ("model loading and io", ("draftsmith.files", "draftsmith.hub", "draftsmith.loading")),
+    (
+        "model loading and io",
+        ("draftsmith.files", "draftsmith.hub", "draftsmith.loading", "draftsmith.sources"),
+    ),
     ("decode", ("draftsmith.decode",)),
     ("drafts", ("draftsmith.drafts",)),
     ("train and eval", ("draftsmith.train", "draftsmith.eval")),

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from draftsmith.cli import main
-from draftsmith.quickstart import TRAIN_FILES
+from draftsmith.sources import BUILTIN_TRAIN
 from draftsmith.train.regenerate import first_user_turns
 
 
-def test_prompts_come_from_each_training_file_in_turn(shared_data):
-    rows = first_user_turns([shared_data / "train" / name for name in TRAIN_FILES], 7)
-    assert [r["id"].split(":")[0] for r in rows] == [*TRAIN_FILES, *TRAIN_FILES, TRAIN_FILES[0]]
+def test_prompts_come_from_each_training_file_in_turn():
+    rows = first_user_turns(list(BUILTIN_TRAIN), 7)
+    names = ["sharegpt_1000.jsonl", "gsm8k_train.jsonl", "gpteacher_codegen.json"]  # ids as they always were
+    assert [r["id"].split(":")[0] for r in rows] == [*names, *names, names[0]]
     assert all(len(r["messages"]) == 1 and r["messages"][0]["role"] == "user" for r in rows)
 
 
@@ -23,9 +24,13 @@ def test_help_explains_the_steps(capsys):
     assert "EAGLE-3" in out and "--regenerate N" in out and "--eval-prompts" in out
 
 
-def test_missing_data_folder_is_a_clear_error(tmp_path, capsys):
-    assert main(["quickstart", "--data", str(tmp_path), "--out", str(tmp_path / "run")]) == 2
-    assert "pass --data" in capsys.readouterr().err
+def test_missing_data_is_a_clear_error_before_anything_runs(tmp_path, capsys):
+    assert main(["quickstart", "--data", str(tmp_path / "mine.jsonl"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "mine.jsonl does not exist" in err and "builtin:sharegpt_1000" in err
+    assert main(["quickstart", "--prompts", "builtin:dev_prompt", "--out", str(tmp_path / "run")]) == 2
+    assert "did you mean builtin:dev_prompts?" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_finished_training_is_not_repeated(tmp_path):
@@ -61,11 +66,8 @@ def test_publish_finds_the_report_of_the_quickstart_eval(tmp_path, monkeypatch):
     from draftsmith.train.config import load_config
 
     monkeypatch.chdir(tmp_path)
-    data = tmp_path / "data"
-    (data / "train").mkdir(parents=True)
-    (data / "dev").mkdir()
     prompts = [{"question_id": 1, "category": "chat", "turns": ["Tell me about cats."]}]
-    (data / "dev" / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     model, tokenizer = tiny_model("llama", layers=8), tiny_tokenizer()
     model.save_pretrained("target")
     tokenizer.save_pretrained("target")
@@ -79,7 +81,7 @@ def test_publish_finds_the_report_of_the_quickstart_eval(tmp_path, monkeypatch):
     (run / "draft" / "train_state.json").write_text(json.dumps({"step": max_steps}))  # trained: skipped
     steps = []
     monkeypatch.setattr("draftsmith.cli.main", lambda argv: steps.append(argv) or 0)
-    assert main(["quickstart", "--data", str(data), "--out", "runs/quickstart"]) == 0
+    assert main(["quickstart", "--prompts", "prompts.jsonl", "--out", "runs/quickstart"]) == 0
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
     (eval_argv,) = [a for a in steps if a[0] == "eval"]
@@ -91,7 +93,7 @@ def test_publish_finds_the_report_of_the_quickstart_eval(tmp_path, monkeypatch):
         "--draft",
         draft,
         "--prompts",
-        str(data / "dev" / "prompts.jsonl"),
+        "prompts.jsonl",
     ]
     assert main([*tiny_eval, "--max-new-tokens", "8", "--k", "2", "--warmup", "0", "--out", out]) == 0
     publish = [

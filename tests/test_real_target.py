@@ -13,7 +13,9 @@ from draftsmith import loading as target_module
 from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
+from draftsmith.files import open_text
 from draftsmith.loading import SMOLLM2_ALIAS
+from draftsmith.sources import builtin_path
 
 
 def test_missing_package_names_the_install_command(monkeypatch):
@@ -46,8 +48,8 @@ def test_gguf_is_converted_once_and_reloads_fast(smollm2):
 
 
 @pytest.mark.slow
-def test_greedy_speculative_equals_target_greedy_on_smollm2(smollm2, shared_data):
-    records = [json.loads(line) for line in (shared_data / "dev" / "prompts.jsonl").open()][:2]
+def test_greedy_speculative_equals_target_greedy_on_smollm2(smollm2):
+    records = [json.loads(line) for line in open_text(builtin_path("dev_prompts"))][:2]
     for record in records:
         ids = smollm2.tokenizer.apply_chat_template(
             [{"role": "user", "content": record["turns"][0]}], add_generation_prompt=True, return_dict=True
@@ -60,12 +62,12 @@ def test_greedy_speculative_equals_target_greedy_on_smollm2(smollm2, shared_data
 
 
 @pytest.mark.slow
-def test_packed_kernels_keep_smollm2_greedy_output(smollm2, shared_data):
+def test_packed_kernels_keep_smollm2_greedy_output(smollm2):
     """With the CPU linears prepacked (eval's default), greedy speculative output still equals the
     target's own greedy output, and the target's greedy text equals the one of stock kernels."""
     from draftsmith.decode.cpu_kernels import pack_for_decoding, unpack_linears
 
-    record = json.loads((shared_data / "dev" / "prompts.jsonl").open().readline())
+    record = json.loads(open_text(builtin_path("dev_prompts")).readline())
     ids = smollm2.tokenizer.apply_chat_template(
         [{"role": "user", "content": record["turns"][0]}], add_generation_prompt=True, return_dict=True
     )["input_ids"]
@@ -84,7 +86,7 @@ def test_packed_kernels_keep_smollm2_greedy_output(smollm2, shared_data):
 
 
 @pytest.mark.slow
-def test_greedy_mirror_decoding_equals_target_greedy_on_smollm2(smollm2, shared_data):
+def test_greedy_mirror_decoding_equals_target_greedy_on_smollm2(smollm2):
     """An untrained mirror head on layer 19 of 30: its proposals are poor, the output is the target's."""
     from draftsmith.decode.mirror import generate_mirror
     from draftsmith.drafts.mirror import MirrorDrafter
@@ -94,7 +96,7 @@ def test_greedy_mirror_decoding_equals_target_greedy_on_smollm2(smollm2, shared_
     options = {"early_exit_layer": 19, "kappa": 2, "gamma": 3, "draft_vocab_size": 4096}
     torch.manual_seed(0)
     drafter = MirrorDrafter(build_objective("mirror", smollm2, options, counts).build_draft().eval())
-    record = json.loads((shared_data / "dev" / "prompts.jsonl").open().readline())
+    record = json.loads(open_text(builtin_path("dev_prompts")).readline())
     ids = smollm2.tokenizer.apply_chat_template(
         [{"role": "user", "content": record["turns"][0]}], add_generation_prompt=True, return_dict=True
     )["input_ids"]

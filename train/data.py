@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -17,8 +18,9 @@ from pathlib import Path
 import datasets
 import torch
 
-from draftsmith.files import json_error, read_jsonl
+from draftsmith.files import json_error, open_text, read_jsonl
 from draftsmith.loading import tokenizer_fingerprint
+from draftsmith.sources import DataSourceError, HubSource, parse_source
 from draftsmith.train.objective import Batch
 
 logger = logging.getLogger(__name__)
@@ -47,7 +49,8 @@ MESSAGES_FEATURES = datasets.Features(
 
 
 def read_records(path: str | Path) -> Iterator[tuple[int, int, object]]:
-    """Yield (record index, line number, record) from a JSON list file or a JSONL file.
+    """Yield (record index, line number, record) from a JSON list file or a JSONL file, either of them
+    gzip-compressed or not.
 
     The format is told by the content, not the name: a file whose first character is ``[`` is one
     JSON list, anything else is one JSON value per line (blank lines skipped).
@@ -55,7 +58,7 @@ def read_records(path: str | Path) -> Iterator[tuple[int, int, object]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
-    with path.open(encoding="utf-8") as f:
+    with open_text(path) as f:
         head = f.read(4096).lstrip()
         if not head:
             raise ValueError(
@@ -114,27 +117,99 @@ def to_messages(record: object, where: str) -> list[Message]:
     return messages
 
 
-def iter_conversations(path: str | Path) -> Iterator[tuple[int, list[Message]]]:
-    """Yield (record index, messages) for every record of one file.
+def iter_conversations(spec: str | Path) -> Iterator[tuple[int, list[Message]]]:
+    """Yield (record index, messages) for every record of one source: a JSON/JSONL file, a built-in
+    data set (``builtin:NAME``) or a dataset loaded by ``datasets`` (``hf:ID:SPLIT``, see
+    ``draftsmith.sources``).
 
     Leading assistant turns are dropped: ShareGPT dumps split long conversations into chunks, and a
     chunk may start mid-conversation with the assistant answering a question it no longer contains.
     A record left with no messages yields an empty list.
     """
-    for index, messages, _ in _iter_records(path):
+    for index, messages, _ in _iter_records(spec):
         yield index, messages
 
 
-def _iter_records(path: str | Path) -> Iterator[tuple[int, list[Message], object]]:
-    for index, lineno, record in read_records(path):
-        where = f"{path}: record {index}" + (f" (line {lineno})" if lineno else "")
+def _iter_records(spec: str | Path) -> Iterator[tuple[int, list[Message], object]]:
+    source = parse_source(spec)
+    if isinstance(source, HubSource):
+        records = ((index, f"{source}: row {index}", record) for index, record in hub_records(source))
+    else:
+        records = (
+            (index, f"{spec}: record {index}" + (f" (line {lineno})" if lineno else ""), record)
+            for index, lineno, record in read_records(source)
+        )
+    for index, where, record in records:
         messages = to_messages(record, where)
         first = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
         yield index, messages[first:], record
 
 
+def hub_records(source: HubSource) -> Iterator[tuple[int, dict]]:
+    """(row index, row) of a dataset through ``datasets.load_dataset``, at most ``source.take`` rows.
+
+    Streaming reads rows as they are used (memory bounded by the rows taken); otherwise the split is
+    downloaded (or found in the cache) whole and memory-mapped. Its columns are checked against the
+    accepted shapes before any row is read. Errors name the dataset: offline with no cached copy, a split
+    or config it lacks (listing the ones it has), columns that match no shape (listing the ones found).
+    """
+    try:
+        dataset = datasets.load_dataset(
+            source.path,
+            name=source.config,
+            split=source.split,
+            revision=source.revision,
+            streaming=source.streaming,
+        )
+    except ConnectionError as err:
+        raise DataSourceError(
+            f"{source}: the Hub cannot be reached and no copy is cached here ({err}). Load it once on a "
+            "machine with network access (the copy lands in the datasets cache, HF_HOME), copy the dataset "
+            "folder here and pass hf:FOLDER:SPLIT, or use a local JSON/JSONL file"
+        ) from err
+    except ValueError as err:  # an unknown split or config: datasets lists the ones there are
+        raise DataSourceError(f"{source}: {err}") from err
+    except FileNotFoundError as err:
+        raise DataSourceError(f"{source}: no such dataset ({err})") from err
+    columns = dataset.column_names
+    if columns is None:  # a stream whose features are not declared: read them off the first row
+        columns = list(next(iter(dataset), {}))
+    if not shape_of_columns(columns):
+        raise DataSourceError(
+            f"{source} has columns {sorted(columns)}, which match no known shape; accepted shapes: {_shapes()}"
+        )
+    if source.streaming:
+        # read the rows taken, then close the stream: a stream left open mid-file may abort the
+        # interpreter at exit (pyarrow's reader threads, apache/arrow#45214)
+        stream = iter(dataset)
+        try:
+            rows = list(itertools.islice(stream, source.take))
+        finally:
+            stream.close()
+        yield from enumerate(rows)
+        return
+    if source.take is not None:
+        dataset = dataset.select(range(min(source.take, len(dataset))))
+    yield from enumerate(dataset)
+
+
+def shape_of_columns(columns: Sequence[str]) -> str | None:
+    """The accepted shape (an entry of ``SHAPES``) that records with these keys are read as, or None."""
+    keys = set(columns)
+    if "conversations" in keys:
+        return SHAPES[0]
+    if "messages" in keys:
+        return SHAPES[1]
+    if {"question", "answer"} <= keys:
+        return SHAPES[2]
+    if "instruction" in keys and keys & {"response", "output"}:
+        return SHAPES[3]
+    return None
+
+
 def load_conversations(paths: Sequence[str | Path]) -> datasets.Dataset:
-    """Load local JSON/JSONL files into a Dataset with one column ``messages``.
+    """Load conversation sources (JSON/JSONL files, ``builtin:`` names, ``hf:`` datasets) into a Dataset
+    with one column ``messages``.
 
     Each record may be in any shape of ``SHAPES`` (told per record). Skipped, and counted in the log:
     records with no messages left after dropping leading assistant turns (see ``iter_conversations``),
@@ -144,7 +219,7 @@ def load_conversations(paths: Sequence[str | Path]) -> datasets.Dataset:
     if isinstance(paths, (str, Path)):
         paths = [paths]
     if not paths:
-        raise ValueError("no data files given; pass at least one JSON or JSONL file")
+        raise ValueError("no data given; pass at least one JSON/JSONL file, builtin: name or hf: dataset")
     rows, empty, cut = [], 0, 0
     for path in paths:
         for _, messages, record in _iter_records(path):

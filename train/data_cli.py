@@ -39,6 +39,13 @@ Resumable: rerun the same command; it appends until --count prompts are there.
 """
 
 
+SOURCES_HELP = (
+    "conversations: JSON/JSONL files, built-in data sets (builtin:sharegpt_1000, builtin:gsm8k_train, "
+    "builtin:gpteacher_codegen; `draftsmith data list`) or datasets loaded by `datasets` "
+    "(hf:ID[:SPLIT][?config=NAME&revision=REV&streaming=true&take=N], e.g. hf:HuggingFaceH4/ultrachat_200k:train_sft)"
+)
+
+
 def add_target_options(parser: argparse.ArgumentParser) -> None:
     """--target, --device, --dtype and --cpu-kernels: the target that writes the data."""
     parser.add_argument(
@@ -99,9 +106,7 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_target_options(regen)
-    regen.add_argument(
-        "--data", required=True, nargs="+", metavar="FILE", help="conversation files (JSON or JSONL)"
-    )
+    regen.add_argument("--data", required=True, nargs="+", metavar="SOURCE", help=SOURCES_HELP)
     regen.add_argument(
         "--out", required=True, metavar="OUT.jsonl", help="output JSONL (appended to on resume)"
     )
@@ -145,9 +150,7 @@ def add_parser(subparsers) -> None:
         "--data files in turn (one from each, then the next from each, ...) so every source is represented. "
         "The output is input for `draftsmith data regenerate --data OUT.jsonl`.",
     )
-    prompts.add_argument(
-        "--data", required=True, nargs="+", metavar="FILE", help="conversation files (JSON or JSONL)"
-    )
+    prompts.add_argument("--data", required=True, nargs="+", metavar="SOURCE", help=SOURCES_HELP)
     prompts.add_argument("--count", required=True, type=int, metavar="N", help="how many prompts")
     prompts.add_argument("--out", required=True, metavar="OUT.jsonl", help="output JSONL (replaced)")
     prompts.add_argument(
@@ -162,6 +165,14 @@ def add_parser(subparsers) -> None:
         "batch for `data regenerate` holds only new ones",
     )
     prompts.set_defaults(func=run_prompts)
+
+    listing = actions.add_parser(
+        "list",
+        help="the data sets shipped with draftsmith (builtin:NAME) and where they are",
+        description="List the built-in data sets: name, records, file. Their sources and licenses are in the "
+        "README.md beside them.",
+    )
+    listing.set_defaults(func=run_list)
 
     synth = actions.add_parser(
         "synthesize",
@@ -210,6 +221,21 @@ def run_prompts(args: argparse.Namespace) -> int:
         + ("" if len(rows) == args.count else f" (the files hold only {len(rows)})")
         + (f"; left out {len(exclude)} prompts of {' '.join(args.exclude)}" if exclude else "")
     )
+    return 0
+
+
+def run_list(args: argparse.Namespace) -> int:
+    import json
+
+    from draftsmith.sources import BUILTIN, BUILTIN_DIR, builtin_path
+
+    for name in BUILTIN:
+        path = builtin_path(name)
+        with files.open_text(path) as f:
+            text = f.read()
+        records = len(json.loads(text)) if text.lstrip().startswith("[") else text.count("\n")
+        print(f"builtin:{name:<20} {records:>6,} records  {path}")
+    print(f"sources and licenses: {BUILTIN_DIR / 'README.md'}")
     return 0
 
 

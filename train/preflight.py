@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from draftsmith import files
+from draftsmith.sources import check_source
 from draftsmith.train.checkpoint import CHECKPOINT_DIR, DRAFT_DIR, LAST, last_checkpoint
 from draftsmith.train.config import TrainConfig, to_dict
 from draftsmith.train.registry import check_objective_options
@@ -71,11 +72,10 @@ def preflight(config: TrainConfig, resume: bool, overwrite: bool, force_resume: 
         )
     d = config.data
     paths = [d.regenerated] if d.regenerated else list(d.paths)
-    missing = [str(p) for p in paths if not Path(p).is_file()]
-    if not paths or missing:
-        raise FileNotFoundError(
-            f"data file(s) {', '.join(missing)} do not exist" if missing else "data.paths lists no files"
-        )
+    if not paths:
+        raise FileNotFoundError("data.paths lists no data: name files, builtin: data sets or hf: datasets")
+    for spec in paths:
+        check_source(spec, "data.regenerated" if d.regenerated else "data.paths entry")
     check_objective_options(config.draft.kind, config.draft.options)
     if not resume or not (output_dir / "config.yaml").is_file():
         return {}

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from draftsmith.files import json_error
 from draftsmith.loading import eos_token_ids
+from draftsmith.sources import parse_source, source_name
 from draftsmith.train.data import Message, chat_text, check_chat_template, iter_conversations
 
 logger = logging.getLogger(__name__)
@@ -142,22 +143,25 @@ def record_ids(path: str | Path, text: str, key: str, fix: str) -> set[str]:
 def source_conversations(
     paths: Sequence[str | Path], limit: int | None = None
 ) -> list[tuple[str, list[Message]]]:
-    """(source_id, messages) for the first ``limit`` conversations of the files, in order."""
-    names: dict[str, Path] = {}
-    for path in map(Path, paths):
-        if path.name in names and names[path.name] != path:
+    """(source_id, messages) for the first ``limit`` conversations of the sources (files, ``builtin:``
+    names, ``hf:`` datasets), in order; a source id is "file name:record index" (for a dataset, its
+    ``hf:`` spec in place of the file name)."""
+    names: dict[str, str | Path] = {}
+    for spec in paths:
+        name = source_name(parse_source(spec))
+        if name in names and parse_source(names[name]) != parse_source(spec):
             raise ValueError(
-                f"{names[path.name]} and {path} share the file name {path.name!r}, which source ids are "
-                "built from; rename one of them"
+                f"{names[name]} and {spec} share the name {name!r}, which source ids are built from; "
+                "rename one of them"
             )
-        names[path.name] = path
+        names[name] = spec
     found: list[tuple[str, list[Message]]] = []
-    for path in names.values():
-        for index, messages in iter_conversations(path):
+    for name, spec in names.items():
+        for index, messages in iter_conversations(spec):
             if limit is not None and len(found) >= limit:
                 return found
             if messages:
-                found.append((f"{path.name}:{index}", messages))
+                found.append((f"{name}:{index}", messages))
     return found
 
 
@@ -170,15 +174,16 @@ def first_user_turns(
     ids in ``exclude`` (an earlier batch's) are skipped, so a second batch holds only new prompts."""
     from itertools import zip_longest
 
-    def firsts(path: Path):
-        for index, messages in iter_conversations(path):
+    def firsts(spec: str | Path):
+        name = source_name(parse_source(spec))
+        for index, messages in iter_conversations(spec):
             user = next((m for m in messages if m["role"] == "user"), None)
-            pid = f"{path.name}:{index}"
+            pid = f"{name}:{index}"
             if user and 0 < len(user["content"]) <= max_chars and pid not in exclude:
                 yield {"id": pid, "messages": [user]}
 
     chosen: list[dict] = []
-    for group in zip_longest(*(firsts(Path(p)) for p in paths)):
+    for group in zip_longest(*(firsts(p) for p in paths)):
         chosen.extend(r for r in group if r is not None)
         if len(chosen) >= count:
             break

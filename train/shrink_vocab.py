@@ -42,8 +42,9 @@ def add_parser(subparsers) -> None:
         "--data",
         required=True,
         nargs="+",
-        metavar="FILE",
-        help="conversations whose assistant tokens are counted (JSON/JSONL in any shape `train` reads)",
+        metavar="SOURCE",
+        help="conversations whose assistant tokens are counted (files, builtin: or hf: sources, in any shape "
+        "`train` reads)",
     )
     p.add_argument("--out", required=True, help="directory for the smaller head (must not exist)")
     p.add_argument(
