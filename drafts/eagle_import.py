@@ -2,9 +2,9 @@
 
 Three layouts are known, each learnt from the writer's own source (versions in docs/EXPORT.md):
 
-- ``reference``: the SafeAILab/EAGLE layout (``yuhuili/EAGLE3-*``) that SpecForge's ``export --to sglang``
-  and SGLang's loader share. ``LlamaForCausalLMEagle3``, tensors ``fc``, ``midlayer.*``, ``norm``,
-  ``lm_head``, ``d2t`` / ``t2d``; no token embedding (the target's is used). Layer ids, when given, sit in
+- ``reference``: the SafeAILab/EAGLE layout (``yuhuili/EAGLE3-*``, whose configs say ``LlamaForCausalLM``)
+  that SpecForge's ``export --to sglang`` (``LlamaForCausalLMEagle3``) and SGLang's loader share: ``fc``,
+  ``midlayer.*``, ``norm``, ``lm_head``, ``d2t`` / ``t2d``; often no token embedding (the target's is used). Layer ids, when given, sit in
   ``eagle_config.eagle_aux_hidden_state_layer_ids`` (output of layer i, draftsmith's convention) or, as
   draftsmith's vLLM export writes them, top-level (input of layer L); when absent, the layout's own
   default: the reference code captures the inputs of layers 2, N/2, N-3 (outputs 1, N/2-1, N-4), and
@@ -91,13 +91,13 @@ def detect_layout(config: dict, tensors: dict[str, torch.Tensor]) -> str:
                 f"speculators_model_type {config['speculators_model_type']!r} is not an EAGLE-3 head"
             )
         return "speculators"
-    if EAGLE3_ARCHITECTURE in arch:
-        if any(n.startswith("midlayer.") for n in tensors):
-            return "reference"
-        if any(key in (config.get("eagle_config") or {}) for key in MODELOPT_EAGLE_FIELDS) or any(
-            n.startswith("layers.0.") for n in tensors
-        ):
-            return "modelopt"
+    if "fc.weight" in tensors and any(n.startswith("midlayer.") for n in tensors):
+        return "reference"  # the SafeAILab checkpoints say LlamaForCausalLM, SpecForge LlamaForCausalLMEagle3
+    eagle = config.get("eagle_config") or {}
+    if EAGLE3_ARCHITECTURE in arch and (
+        any(key in eagle for key in MODELOPT_EAGLE_FIELDS) or any(n.startswith("layers.0.") for n in tensors)
+    ):
+        return "modelopt"
     raise HeadImportError(
         "not an EAGLE-3 layout draftsmith knows (the reference/SpecForge/SGLang layout, ModelOpt's export, the "
         f"speculators format); seen: {seen_fields(config, tensors)}"

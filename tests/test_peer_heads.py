@@ -106,6 +106,7 @@ def reference_layout(head: EagleHead, folder: Path) -> Path:
     """The SafeAILab/EAGLE reference layout (what SpecForge's sglang export also is): no layer ids, no token
     embedding, d2t offsets; here in a pytorch_model.bin with no t2d, as the oldest checkpoints come."""
     config = {k: v for k, v in _sglang_config(head).items() if k not in ("eagle_config", "draftsmith_source")}
+    config["architectures"] = ["LlamaForCausalLM"]  # what the yuhuili/EAGLE3-* configs say
     tensors = reference_weights(dict(head.state_dict()), head.config.to_dict(), "sglang")
     tensors = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "t2d")}
     return write_layout(folder, config, tensors, as_bin=True)
