@@ -341,6 +341,14 @@ def test_export_of_an_imported_head_needs_its_target(tiny, tmp_path, capsys):
     assert_same_head(EagleHead.from_pretrained(out), import_head(tiny["target"], folder), tiny["target"])
 
 
+def test_a_head_from_another_pipeline_is_converted_before_it_is_published(tiny, tmp_path, capsys):
+    folder = reference_layout(draftsmith_head(tiny["target"]), tmp_path / "ref")
+    argv = ["publish", str(folder), "--repo-id", "me/head", "--base-model", "a/b", "--license", "mit", "--no-eval",
+            "--out", str(tmp_path / "pub"), "--dry-run"]  # fmt: skip
+    assert main(argv) == 2
+    assert "--to hf --target" in capsys.readouterr().err
+
+
 def test_an_imported_variant_is_not_exported_as_a_plain_head(tiny, tmp_path, capsys):
     folder = modelopt_layout(
         draftsmith_head(tiny["target"], feature_input_norm=True), tmp_path / "mo", [1, 3, 4]

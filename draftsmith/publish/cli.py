@@ -15,6 +15,7 @@ from pathlib import Path
 
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
+from draftsmith.drafts.base import PEER_EAGLE3
 from draftsmith.eval.plots import PLOT_NAME
 from draftsmith.hub import HUB_ID
 from draftsmith.publish.card import (
@@ -275,6 +276,12 @@ def push_folder(
 def run(args: argparse.Namespace) -> int:
     """Build the folder; list it (--dry-run) or push it."""
     ckpt = locate_checkpoint(args.checkpoint)
+    if ckpt.kind.name == PEER_EAGLE3:
+        raise ValueError(
+            f"{ckpt.draft_dir} is an EAGLE-3 head from another pipeline, with no record of its target or its "
+            "measured numbers; read it into draftsmith's layout first (`draftsmith export DIR --to hf --target "
+            "MODEL --out NEW`), evaluate that, and publish it"
+        )
     out = Path(args.out) if args.out else (ckpt.run_dir or ckpt.draft_dir.parent) / "publish"
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()] if args.datasets else None
     folder = build_folder(
