@@ -24,15 +24,15 @@ declare -A RELEASE=(
   [specforge]="specforge==0.2.0"
   [speculators]="speculators==0.9.0"
 )
-declare -A DEPS=(
-  [modelopt]="transformers==5.14.0 safetensors pydantic>=2 omegaconf pyyaml numpy scipy tqdm rich regex packaging ninja pulp<4 nvidia-ml-py accelerate requests"
-  [specforge]="transformers==5.8.1 safetensors huggingface-hub pydantic pyyaml numpy tqdm psutil accelerate requests datasets"
-  [speculators]="transformers==5.19.0 safetensors huggingface-hub pydantic>=2 pydantic-settings loguru==0.7.3 numpy tqdm rich typer click openai datasets<=5.1.0 hs-connectors==0.9.0"
+declare -A DEPS=( # found by trying: the import check and tests/peer_worker.py, from transformers up
+  [modelopt]="transformers==5.14.0 safetensors requests omegaconf pulp<4 scipy"
+  [specforge]="transformers==5.8.1 safetensors datasets"
+  [speculators]="transformers==5.19.0 safetensors openai datasets<=5.1.0 hs-connectors==0.9.0 loguru<=0.7.3"
 )
 declare -A CHECK=(
   [modelopt]="import modelopt.torch.speculative as mtsp, modelopt.torch.export.plugins.hf_spec_export"
   [specforge]="from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3; import specforge.data.preprocessing"
-  [speculators]="from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig"
+  [speculators]="from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig; import speculators.train.vocab_mapping"
 )
 
 pip_install() { # quiet on success; pip's own output (less its notes on absent local indexes) on failure
@@ -58,11 +58,13 @@ install_peer() {
   echo "install_peers: $name -> $venv" >&2
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
   pip_install "$venv" "$TORCH"
+  "$venv/bin/python" -c "import torch; assert not torch.version.cuda, torch.version.cuda" 2>/dev/null || {
+    echo "install_peers: $TORCH resolved to a CUDA build here; remove $venv and set PEER_TORCH to a CPU wheel" >&2
+    exit 1
+  }
   # shellcheck disable=SC2086  # the dependency list is word-split on purpose
   pip_install "$venv" ${DEPS[$name]}
   pip_install "$venv" --no-deps "${RELEASE[$name]}"
-  "$venv/bin/python" -c "import torch; assert not torch.version.cuda, torch.version.cuda" ||
-    { echo "install_peers: $name got a CUDA torch; remove $venv and rerun" >&2; exit 1; }
   "$venv/bin/python" -W ignore -c "${CHECK[$name]}" ||
     { echo "install_peers: $name installed but its EAGLE-3 classes do not import" >&2; exit 1; }
   echo "${RELEASE[$name]} ${DEPS[$name]}" >"$venv/.draftsmith-installed"
