@@ -178,6 +178,22 @@ def test_the_reference_layout_reads_with_its_own_default_layers_and_the_targets_
     assert torch.equal(imported.embed_tokens.weight, target.model.get_input_embeddings().weight)
 
 
+def test_a_bfloat16_head_reads_as_its_weights_are(tiny, tmp_path):
+    """SpecForge exports bf16: the weights are read as stored, for a target in float32."""
+    target = tiny["target"]
+    head = draftsmith_head(target)
+    folder = reference_layout(head, tmp_path / "ref")
+    tensors = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    torch.save(
+        {k: v.bfloat16() if v.is_floating_point() else v for k, v in tensors.items()},
+        folder / "pytorch_model.bin",
+    )
+    imported = import_head(target, folder)
+    assert imported.dtype == torch.float32
+    expected = head.fuse_features.weight.detach().bfloat16().float()
+    assert torch.equal(imported.fuse_features.weight, expected)
+
+
 def test_a_modelopt_head_normalizes_its_feature_twice_and_keeps_plain_rope(tiny, tmp_path):
     target = tiny["target"]
     head = draftsmith_head(target, capture=[1, 3, 5], feature_input_norm=True)
