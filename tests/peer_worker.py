@@ -95,8 +95,9 @@ def speculators_head(target_dir: str, out: Path, s: dict) -> dict[str, torch.Ten
 def specforge_head(target_dir: str, out: Path, s: dict) -> dict[str, torch.Tensor]:
     from collections import Counter
 
+    from safetensors.torch import load_file
     from specforge.data.preprocessing import process_token_dict_to_mappings
-    from specforge.export.to_sglang import WEIGHT_MAPS, _serving_state
+    from specforge.export.to_sglang import export_to_sglang
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -134,11 +135,17 @@ def specforge_head(target_dir: str, out: Path, s: dict) -> dict[str, torch.Tenso
         # SGLang embeds with the target's embedding
         model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
     randomize_norms(model, gen)
-    # the export as `specforge export --to sglang` writes it: no embeddings, the serving-key check
-    state = {k: v for k, v in model.state_dict().items() if "embed" not in k.lower()}
-    model.save_pretrained(
-        str(out / "head"), state_dict=_serving_state(state, WEIGHT_MAPS["LlamaForCausalLMEagle3"])
+    # `specforge export --to sglang` itself, from a checkpoint as its trainer saves one (training_state.pt)
+    torch.save({"strategy": "eagle3", "draft_state_dict": model.state_dict()}, out / "training_state.pt")
+    config.save_pretrained(str(out / "draft_config"))
+    export_to_sglang(
+        str(out / "training_state.pt"), str(out / "draft_config" / "config.json"), str(out / "head")
     )
+    exported = load_file(
+        str(out / "head" / "model.safetensors")
+    )  # bfloat16, as SpecForge materializes drafts
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in exported.items()}, strict=False)
+    assert not unexpected and all("embed" in k for k in missing), (missing, unexpected)
     T, H, L = s["seq_len"], tc.hidden_size, tc.num_hidden_layers
     ids = torch.randint(0, tc.vocab_size, (1, T), generator=gen)
     layers = s.get("peer_layer_ids") or [1, L // 2 - 1, L - 4]  # SpecForge's own default when none is set
