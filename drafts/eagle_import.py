@@ -119,6 +119,11 @@ def layer_ids(config: dict, layout: str, n_layers: int, notes: list[str]) -> lis
     """The target layers the head reads, as draftsmith ids (output of layer i, 0-based), ascending."""
     nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     top = config.get("eagle_aux_hidden_state_layer_ids")
+    if layout == "reference" and None not in (nested, top) and nested != [i - 1 for i in top]:
+        raise HeadImportError(
+            f"eagle_config.eagle_aux_hidden_state_layer_ids {nested} (SGLang's: output of layer i) and the top-level "
+            f"eagle_aux_hidden_state_layer_ids {top} (vLLM's: input of layer L) name different layers"
+        )
     if layout == "speculators" or (layout == "reference" and nested is None and top is not None):
         field, given, shift = "eagle_aux_hidden_state_layer_ids", top, -1  # vLLM: id L = input of layer L
     else:
@@ -314,6 +319,10 @@ def import_head(target, path: str | Path) -> EagleHead:
         raise HeadImportError(
             f"draft_vocab_size {config['draft_vocab_size']} but lm_head has {draft_vocab} rows"
         )
+    fc = tensors.get("fc.weight")
+    if fc is not None and tuple(fc.shape) != (hidden, len(ids) * hidden):
+        raise HeadImportError(f"fc.weight has shape {tuple(fc.shape)}, but the head reads {len(ids)} target layers "
+                              f"{ids} of size {hidden}: {(hidden, len(ids) * hidden)} expected")  # fmt: skip
     d2t, t2d = vocab_maps(tensors, V, draft_vocab)
     state = head_state(tensors, layout, shape["num_decoder_layers"], options)
     embed = tensors.get("embed_tokens.weight")

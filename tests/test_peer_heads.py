@@ -322,6 +322,7 @@ def test_missing_layer_ids_say_what_each_engine_would_guess_and_refuse(tiny, tmp
         (lambda c: c["transformer_layer_config"].pop("rms_norm_eps"), "transformer_layer_config.rms_norm_eps"),
         (lambda c: c["transformer_layer_config"].update(mlp_bias=True), "mlp_bias is true"),
         (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 2, 4]), "names a layer twice"),
+        (lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 4, 6, 7]), r"fc.weight has shape \(32, 96\)"),
     ],
 )  # fmt: skip
 def test_what_cannot_be_mapped_is_refused_naming_the_field(tiny, tmp_path, edit, field):
@@ -331,6 +332,19 @@ def test_what_cannot_be_mapped_is_refused_naming_the_field(tiny, tmp_path, edit,
     edit(config)
     with pytest.raises(HeadImportError, match=field):
         import_head(tiny["target"], write_layout(tmp_path / "edited", config, tensors))
+
+
+def test_two_spellings_of_the_layer_ids_must_agree(tiny, tmp_path):
+    config, tensors = read_layout(
+        exported(draftsmith_head(tiny["target"], capture=[1, 3, 5]), tmp_path, "sglang")
+    )
+    config["eagle_aux_hidden_state_layer_ids"] = [2, 4, 6]  # vLLM's spelling of the same layers: fine
+    assert import_head(
+        tiny["target"], write_layout(tmp_path / "both", config, tensors)
+    ).config.capture_layer_ids == [1, 3, 5]
+    config["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]  # read as vLLM's: other layers
+    with pytest.raises(HeadImportError, match="name different layers"):
+        import_head(tiny["target"], write_layout(tmp_path / "disagree", config, tensors))
 
 
 def test_weights_that_do_not_fit_are_refused_by_name(tiny, tmp_path):
