@@ -163,11 +163,14 @@ GZIP_MAGIC = b"\x1f\x8b"
 
 
 def open_text(path: str | Path):
-    """Open a UTF-8 text file for reading, gzip-compressed or not (told by its first bytes, not its name)."""
+    """Open a UTF-8 text file for reading, gzip-compressed or not (told by its first bytes, not its name);
+    a byte-order mark at the start, which Windows editors write, is skipped (CRLF line ends are read too)."""
     path = Path(path)
     with path.open("rb") as f:
         compressed = f.read(2) == GZIP_MAGIC
-    return gzip.open(path, "rt", encoding="utf-8") if compressed else path.open(encoding="utf-8")
+    if compressed:
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return path.open(encoding="utf-8-sig")
 
 
 def read_jsonl(path: str | Path, holds: str):

@@ -296,3 +296,15 @@ def test_collate_pads_and_masks():
     assert batch.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch.loss_mask.tolist() == [[0, 1, 1], [1, 0, 0]]
     assert batch.input_ids.dtype == torch.long
+
+
+def test_conversation_files_with_a_byte_order_mark_load(tmp_path):
+    record = {"question": "q?", "answer": "a"}
+    lines = tmp_path / "bom.jsonl"
+    lines.write_bytes(b"\xef\xbb\xbf" + (json.dumps(record) + "\r\n").encode())
+    listed = tmp_path / "bom.json"
+    listed.write_bytes(b"\xef\xbb\xbf" + json.dumps([record]).encode())
+    for path in (lines, listed):
+        assert load_conversations([path])["messages"] == [
+            [{"role": "user", "content": "q?"}, {"role": "assistant", "content": "a"}]
+        ]

@@ -122,3 +122,15 @@ def test_answer_text_drops_special_tokens():
     tok = tiny_tokenizer()
     ids = tok("the answer")["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
     assert answer_text(tok, ids) == "the answer"
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_file_with_a_byte_order_mark_and_crlf_lines_reads_as_any_other(tmp_path, compress):
+    """Windows editors start UTF-8 files with a BOM and end lines with CRLF; both are read as text."""
+    import gzip
+
+    text = '{"prompt": "Ünïcode first", "category": "c"}\r\n{"prompt": "second"}\r\n'
+    data = b"\xef\xbb\xbf" + text.encode("utf-8")
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(gzip.compress(data) if compress else data)
+    assert [p.turns[0] for p in read_prompts(path)] == ["Ünïcode first", "second"]
