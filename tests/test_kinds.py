@@ -17,7 +17,8 @@ from draftsmith.train.registry import objective_kinds
 
 
 def test_every_kind_has_one_name_and_the_trainable_ones_an_objective():
-    assert kind_names() == ["distill", "eagle1", "eagle3", "layers", "medusa", "mirror", "ngram", "peer_eagle3"]
+    kinds = ["distill", "eagle1", "eagle3", "layers", "medusa", "mirror", "ngram", "peer_eagle3"]
+    assert kind_names() == kinds
     for name in kind_names():
         assert draft_kind(name).name == name
     assert {"distill", "eagle1", "eagle3", "medusa", "mirror"} <= set(objective_kinds())
