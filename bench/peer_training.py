@@ -1,0 +1,521 @@
+"""EAGLE-3 training side by side: ModelOpt, SpecForge, speculators and draftsmith on the same work.
+
+Every run trains one decoder layer for the bundled SmolLM2-135M-Instruct with the same draft
+vocabulary size and TTT depth, on the same tokens and loss masks, for the same number of tokens;
+each peer keeps its own defaults otherwise (lr, optimizer, schedule, batching). Stages (--stages):
+
+  data     render draftsmith's builtin training data once with ``draftsmith.train.data`` (chat
+           template, assistant loss mask, packed rows, the quickstart's held-out rows), take the rows
+           draftsmith's sampler trains on first until --tokens, split them back into conversations and
+           write those in each peer's input layout (the peers pad or pack conversations themselves)
+  capture  the stand-in for SGLang's / vLLM's hidden-state capture, which do not run here: the target
+           run by transformers over every conversation, written as SpecForge's ``.ckpt`` files and
+           speculators' ``hs_{i}.safetensors`` (timed apart: it is not part of either peer's training)
+  train    each peer in its own venv (bench/peers/*.py, which say where they depart from the peer's
+           own pipeline), then ``draftsmith train quickstart``, one at a time under the machine-wide
+           bench lock; wall and CPU seconds, peak RSS, per-step timestamps, held-out metrics, the head
+  eval     one ``draftsmith eval`` run per k (5, auto) over every head (peer heads are read by
+           drafts/eagle_import.py), greedy, dev prompts in round-robin order
+
+Prints a table, writes JSON (--out). What it costs on the 2-core CPU it was written on: at
+--tokens 16384 about 3-6 min of training per peer; the peers' steps are the slow part, see
+BENCHMARKS.md for the measured rates.
+
+    python bench/peer_training.py --tokens 16384 --out bench/results/peer_training_16k.json
+    python bench/peer_training.py --tokens 409600 --work runs/peer_training_400k \
+        --out bench/results/peer_training_400k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+PEER_ROOT = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith")) / "peers"
+PEERS = ("modelopt", "specforge", "speculators")
+RUNS = (*PEERS, "draftsmith")
+LOCK = Path("/tmp/draftsmith-bench.lock")
+TARGET = "smollm2-135m-instruct"
+QUICKSTART_DATA = ("builtin:sharegpt_1000", "builtin:gsm8k_train", "builtin:gpteacher_codegen")
+
+
+# --------------------------------------------------------------------------- the token budget
+
+
+def sampler_order(num_rows: int, batch_size: int, seed: int, count: int) -> list[int]:
+    """The first ``count`` training rows draftsmith's loop takes (its ResumableSampler, epoch by epoch)."""
+    from draftsmith.train.sampler import ResumableSampler
+
+    sampler = ResumableSampler(num_rows, batch_size, seed=seed, rank=0, world_size=1)
+    order: list[int] = []
+    while len(order) < count:
+        order.extend(iter(sampler))
+        sampler.epoch += 1
+    return order[:count]
+
+
+def steps_for_budget(row_lengths: list[int], tokens: int, batch_size: int) -> int:
+    """Optimizer steps of ``batch_size`` rows (lengths in training order) until ``tokens`` are seen."""
+    if tokens < 1:
+        raise ValueError(f"--tokens must be positive, got {tokens}")
+    seen, rows = 0, 0
+    while seen < tokens:
+        if rows >= len(row_lengths):
+            raise ValueError(f"{len(row_lengths)} rows hold only {seen} tokens, fewer than {tokens}")
+        seen += row_lengths[rows]
+        rows += 1
+    return -(-rows // batch_size)
+
+
+def conversations_of(row: dict) -> list[dict[str, list[int]]]:
+    """A packed row split back into its conversations (``position_ids`` restart at 0 at each)."""
+    ids, mask = row["input_ids"], row["loss_mask"]
+    positions = row.get("position_ids") or list(range(len(ids)))
+    starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
+    if starts[0] != 0:
+        raise ValueError("a packed row must start a conversation at position 0")
+    return [{"input_ids": ids[a:b], "loss_mask": mask[a:b]} for a, b in zip(starts, starts[1:]) if b > a]
+
+
+def token_counts(convs: list[dict]) -> dict[str, int]:
+    return {
+        "positions": sum(len(c["input_ids"]) for c in convs),
+        "loss_tokens": sum(sum(c["loss_mask"]) for c in convs),
+        "conversations": len(convs),
+    }
+
+
+# --------------------------------------------------------------------------- stage: data
+
+
+def render_rows(seed: int = 0):
+    """(tokenizer, quickstart recipe, train rows, held-out rows) exactly as ``draftsmith train quickstart`` builds them."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.loading import resolve_model_path
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import prepare_datasets
+
+    config = load_config("quickstart")
+    if list(config.data.paths) != list(QUICKSTART_DATA):
+        raise SystemExit(f"the quickstart recipe's data changed to {config.data.paths}; update this bench")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(TARGET)[0])
+    train_ds, heldout_ds = prepare_datasets(config, tokenizer)
+    return tokenizer, config, train_ds, heldout_ds
+
+
+def stage_data(work: Path, tokens: int) -> dict:
+    from draftsmith.loading import resolve_model_path
+
+    tokenizer, config, train_ds, heldout_ds = render_rows()
+    t = config.trainer
+    lengths = [len(ids) for ids in train_ds["input_ids"]]
+    # how many rows to look at: enough for the budget even with short rows
+    order = sampler_order(len(train_ds), t.batch_size, t.seed, max(len(train_ds), -(-tokens // 64)))
+    steps = steps_for_budget([lengths[i] for i in order], tokens, t.batch_size)
+    rows = [train_ds[i] for i in order[: steps * t.batch_size]]
+    train = [c for row in rows for c in conversations_of(row)]
+    heldout = [c for row in heldout_ds for c in conversations_of(row)]
+    data = work / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    write_jsonl(data / "train.jsonl", train)
+    write_jsonl(data / "heldout.jsonl", heldout)
+    (data / "vocab_counts.json").write_text(json.dumps(vocab_counts(train_ds)))
+    record = {
+        "target_path": resolve_model_path(TARGET)[0],
+        "tokens_asked": tokens,
+        "draftsmith_steps": steps,
+        "batch_size": t.batch_size,
+        "max_length": config.data.max_length,
+        "train": token_counts(train),
+        "heldout": token_counts(heldout),
+        "draft_vocab_size": config.draft.options["draft_vocab_size"],
+        "ttt_steps": config.draft.options["ttt_steps"],
+        "num_layers": config.draft.options["num_layers"],
+    }
+    (data / "budget.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def vocab_counts(train_ds) -> dict[str, dict[int, int]]:
+    """Token counts over all training rows (not only the budget's), for each run's own vocabulary rule.
+
+    draftsmith picks its draft vocabulary from the whole training set; so does ModelOpt's calibration
+    script (over every token) and speculators' / SpecForge's counts (over assistant tokens), each given
+    the whole set here. A small budget alone holds too few distinct tokens for an 8,192-token vocabulary.
+    """
+    every: dict[int, int] = {}
+    assistant: dict[int, int] = {}
+    for ids, mask in zip(train_ds["input_ids"], train_ds["loss_mask"]):
+        for t, m in zip(ids, mask):
+            every[t] = every.get(t, 0) + 1
+            if m:
+                assistant[t] = assistant.get(t, 0) + 1
+    return {"all": every, "assistant": assistant}
+
+
+def read_vocab_counts(work: Path) -> dict[str, dict[int, int]]:
+    raw = json.loads((work / "data" / "vocab_counts.json").read_text())
+    return {kind: {int(t): n for t, n in counts.items()} for kind, counts in raw.items()}
+
+
+def write_jsonl(path: Path, convs: list[dict]) -> None:
+    with open(path, "w") as f:
+        for c in convs:
+            f.write(json.dumps({"input_ids": c["input_ids"], "loss_mask": c["loss_mask"]}) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line]
+
+
+# --------------------------------------------------------------------------- stage: capture
+
+
+def capture_layers(num_layers: int) -> list[int]:
+    """The layers every run reads (0-based outputs): EAGLE-3's 1, L/2-1, L-4, as draftsmith and all three peers default."""
+    from draftsmith.drafts.eagle import default_eagle3_layers
+
+    return default_eagle3_layers(num_layers)
+
+
+def capture(model, input_ids: list[int], layers: list[int]):
+    """(aux [T, 3H], last [T, H] before the final norm, normed [T, H]) of the target on one conversation."""
+    import torch
+
+    outputs: dict[int, torch.Tensor] = {}
+    decoder = model.model
+    wanted = sorted(set(layers) | {len(decoder.layers) - 1})
+
+    def keep(index):
+        def hook(_module, _inputs, output):
+            outputs[index] = (output[0] if isinstance(output, tuple) else output)[0]
+
+        return hook
+
+    handles = [decoder.layers[i].register_forward_hook(keep(i)) for i in wanted]
+    handles.append(decoder.norm.register_forward_hook(keep(-1)))
+    try:
+        with torch.no_grad():
+            decoder(input_ids=torch.tensor([input_ids]), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    aux = torch.cat([outputs[i] for i in layers], dim=-1)
+    return aux, outputs[len(decoder.layers) - 1], outputs[-1]
+
+
+def specforge_record(conv: dict, aux, normed) -> dict:
+    """One SpecForge offline ``.ckpt`` record (its reader's keys; final hidden state after the norm)."""
+    import torch
+
+    return {
+        "input_ids": torch.tensor(conv["input_ids"], dtype=torch.long),
+        "loss_mask": torch.tensor(conv["loss_mask"], dtype=torch.long),
+        "hidden_state": normed.to(torch.bfloat16)[None],
+        "aux_hidden_state": aux.to(torch.bfloat16)[None],
+    }
+
+
+def speculators_record(conv: dict, aux, last) -> dict:
+    """One speculators ``hs_{i}.safetensors``: the three states, then the last layer's (before the norm)."""
+    import torch
+
+    T, H = last.shape
+    states = torch.cat([aux.reshape(T, -1, H), last[:, None]], dim=1)
+    return {
+        "hidden_states": states.to(torch.bfloat16).contiguous(),
+        "token_ids": torch.tensor(conv["input_ids"]),
+    }
+
+
+def write_speculators_index(
+    root: Path, train: list[dict], heldout: list[dict], assistant_counts: dict
+) -> None:
+    """speculators' preprocessed dataset (arrow: input_ids, loss_mask, seq_len; training conversations
+    first, then the held-out ones), ``split.json`` with the two counts, and ``token_freq.pt`` (assistant
+    token counts, what speculators counts)."""
+    import datasets
+    import torch
+
+    convs = train + heldout
+    dataset = datasets.Dataset.from_dict(
+        {
+            "input_ids": [c["input_ids"] for c in convs],
+            "loss_mask": [c["loss_mask"] for c in convs],
+            "seq_len": [len(c["input_ids"]) for c in convs],
+        }
+    )
+    dataset.set_format(type="torch")  # as speculators' preprocessing saves it
+    dataset.save_to_disk(str(root))
+    (root / "split.json").write_text(json.dumps({"train": len(train), "heldout": len(heldout)}))
+    torch.save(assistant_counts, root / "token_freq.pt")
+
+
+def stage_capture(work: Path) -> dict:
+    """The stand-in capture: SpecForge's ``.ckpt`` files (train/, heldout/) and speculators' dataset."""
+    import resource
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with bench_lock() as waited:
+        start, cpu0 = time.perf_counter(), _self_cpu()
+        path = json.loads((work / "data" / "budget.json").read_text())["target_path"]
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        layers = capture_layers(model.config.num_hidden_layers)
+        train = read_jsonl(work / "data" / "train.jsonl")
+        heldout = read_jsonl(work / "data" / "heldout.jsonl")
+        sf, sp = work / "specforge", work / "speculators"
+        (sp / "hidden_states").mkdir(parents=True, exist_ok=True)
+        for split, convs, offset in (("train", train, 0), ("heldout", heldout, len(train))):
+            (sf / split).mkdir(parents=True, exist_ok=True)
+            for i, conv in enumerate(convs):
+                aux, last, normed = capture(model, conv["input_ids"], layers)
+                torch.save(specforge_record(conv, aux, normed), sf / split / f"data_{i:06d}.ckpt")
+                save_file(
+                    speculators_record(conv, aux, last), sp / "hidden_states" / f"hs_{offset + i}.safetensors"
+                )
+        write_speculators_index(sp, train, heldout, read_vocab_counts(work)["assistant"])
+        positions = sum(len(c["input_ids"]) for c in train + heldout)
+        wall, cpu = time.perf_counter() - start, _self_cpu() - cpu0
+    return {
+        "layers": layers,
+        "positions": positions,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "tokens_per_s": positions / wall,
+        "lock_wait_s": waited,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def _self_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+# --------------------------------------------------------------------------- stage: train
+
+
+class bench_lock:
+    """The machine-wide benchmark lock (the file ``flock /tmp/draftsmith-bench.lock`` takes); yields the seconds waited."""
+
+    def __enter__(self) -> float:
+        self.file = open(LOCK, "a")
+        start = time.perf_counter()
+        fcntl.flock(self.file, fcntl.LOCK_EX)
+        return time.perf_counter() - start
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
+
+
+def run_timed(cmd: list[str], log: Path, env: dict | None = None) -> dict:
+    """Run ``cmd`` alone under the bench lock: wall seconds, CPU seconds and peak RSS of it and its children."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with bench_lock() as waited, open(log, "w") as out:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - start
+    return {
+        "command": cmd,
+        "returncode": proc.returncode,
+        "wall_s": wall,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss_mb": usage.ru_maxrss / 1024,
+        "lock_wait_s": waited,
+        "log": str(log),
+    }
+
+
+def peer_python(peer: str) -> Path:
+    return PEER_ROOT / peer / "bin" / "python"
+
+
+def train_command(run: str, work: Path, budget: dict) -> list[str]:
+    out = work / "runs" / run
+    common = ["--work", str(work), "--out", str(out)]
+    if run == "draftsmith":
+        return [sys.executable, str(BENCH / "peers" / "draftsmith_run.py"), *common]
+    return [str(peer_python(run)), str(BENCH / "peers" / f"{run}_run.py"), *common]
+
+
+def stage_train(work: Path, runs: list[str], budget: dict) -> dict:
+    results = {}
+    for run in runs:
+        if run != "draftsmith" and not peer_python(run).exists():
+            results[run] = {
+                "skipped": f"no venv at {PEER_ROOT / run}: bash scripts/install_peers.sh --train {run}"
+            }
+            print(f"peer_training: {run} skipped ({results[run]['skipped']})", file=sys.stderr)
+            continue
+        out = work / "runs" / run
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        print(f"peer_training: training {run} ...", file=sys.stderr, flush=True)
+        timed = run_timed(train_command(run, work, budget), out.with_suffix(".log"), env)
+        report = out / "result.json"
+        timed.update(
+            json.loads(report.read_text()) if report.exists() else {"error": "no result.json; see the log"}
+        )
+        timed.update(throughput(timed, budget))
+        results[run] = timed
+        print(f"peer_training: {run} rc={timed['returncode']} in {timed['wall_s']:.0f} s", file=sys.stderr)
+    return results
+
+
+def throughput(run: dict, budget: dict) -> dict:
+    """Tokens/s over the whole run and in steady state (from the end of step 2, or of step 1 when a run
+    has fewer than 8 steps, to the end of the last).
+
+    Steady state counts the mean tokens of a step (all training positions / steps taken), since a
+    peer batches the conversations in its own order.
+    """
+    positions, loss_tokens = budget["train"]["positions"], budget["train"]["loss_tokens"]
+    out = {
+        "tokens_per_wall_s": positions / run["wall_s"],
+        "tokens_per_cpu_s": positions / run["cpu_s"] if run["cpu_s"] else None,
+        "loss_tokens_per_wall_s": loss_tokens / run["wall_s"],
+    }
+    marks = run.get("step_marks") or []  # [(wall, cpu)] at the end of each optimizer step
+    skip = 2 if len(marks) >= 8 else 1
+    if len(marks) > skip + 1:
+        per_step = positions / len(marks)
+        steps = len(marks) - 1 - skip
+        wall = marks[-1][0] - marks[skip][0]
+        cpu = marks[-1][1] - marks[skip][1]
+        out["steady_tokens_per_wall_s"] = per_step * steps / wall
+        out["steady_tokens_per_cpu_s"] = per_step * steps / cpu if cpu else None
+        out["steady_s_per_step"] = wall / steps
+    return out
+
+
+# --------------------------------------------------------------------------- stage: eval
+
+
+def stage_eval(work: Path, results: dict, limit: int, max_new_tokens: int) -> dict:
+    heads = {run: r["head"] for run, r in results.items() if r.get("head") and Path(r["head"]).exists()}
+    if not heads:
+        return {"skipped": "no trained heads"}
+    try:
+        import draftsmith.drafts.eagle_import  # noqa: F401  (reads the peers' heads)
+    except ImportError:
+        return {"skipped": "drafts/eagle_import.py is not there yet: peer heads cannot be read"}
+    evals = {}
+    for k in ("5", "auto"):
+        out = work / "eval" / f"k{k}"
+        cmd = [sys.executable, "-m", "draftsmith.cli", "eval", "--target", TARGET, "--prompts", "builtin:dev_prompts",
+               "--order", "round-robin", "--limit", str(limit), "--max-new-tokens", str(max_new_tokens), "--k", k,
+               "--out", str(out)]  # fmt: skip
+        for head in heads.values():
+            cmd += ["--draft", str(head)]
+        timed = run_timed(cmd, work / "eval" / f"k{k}.log")
+        report = out / "report.json"
+        timed["report"] = json.loads(report.read_text()) if report.exists() else None
+        timed["heads"] = heads
+        evals[k] = timed
+    return evals
+
+
+# --------------------------------------------------------------------------- report
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor()
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return f"{fields.get('Model name', '?').strip()} ({fields.get('CPU(s)', '?').strip()} CPUs)"
+
+
+def _short(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, list):
+        return "[" + " ".join(_short(v) for v in value) + "]"
+    return str(value)
+
+
+def print_table(budget: dict, capture_rec: dict | None, results: dict) -> None:
+    print(f"\n{budget['train']['positions']} positions ({budget['train']['loss_tokens']} in the loss), "
+          f"{budget['train']['conversations']} conversations; draftsmith steps {budget['draftsmith_steps']}")  # fmt: skip
+    if capture_rec:
+        print(f"stand-in capture (SpecForge + speculators inputs): {capture_rec['wall_s']:.0f} s wall, "
+              f"{capture_rec['tokens_per_s']:.0f} tok/s")  # fmt: skip
+    head = f"{'run':<12} {'rc':>3} {'steps':>6} {'wall s':>8} {'CPU s':>8} {'tok/s':>7} {'tok/CPU-s':>9} "
+    head += f"{'steady tok/s':>12} {'steady tok/CPU-s':>16} {'peak MB':>8}  held-out"
+    print(head)
+    for run, r in results.items():
+        if "skipped" in r:
+            print(f"{run:<12} skipped: {r['skipped']}")
+            continue
+
+        def num(key, row=r):
+            value = row.get(key)
+            return format(value, ".0f") if isinstance(value, (int, float)) else "-"
+
+        held = r.get("heldout") or {}
+        held_text = " ".join(f"{k}={_short(v)}" for k, v in held.items())
+        print(f"{run:<12} {r['returncode']:>3} {len(r.get('step_marks') or []):>6} {num('wall_s'):>8} "
+              f"{num('cpu_s'):>8} {num('tokens_per_wall_s'):>7} {num('tokens_per_cpu_s'):>9} "
+              f"{num('steady_tokens_per_wall_s'):>12} {num('steady_tokens_per_cpu_s'):>16} "
+              f"{num('peak_rss_mb'):>8}  {held_text}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--tokens", type=int, default=16384, help="training positions per run (rounded up to whole batches)"
+    )
+    p.add_argument(
+        "--work", type=Path, default=Path("runs/peer_training"), help="data, features, heads, logs"
+    )
+    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS)
+    p.add_argument("--stages", nargs="+", default=["data", "capture", "train", "eval"],
+                   choices=["data", "capture", "train", "eval"])  # fmt: skip
+    p.add_argument("--eval-limit", type=int, default=12, help="dev prompts in each eval run")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--out", type=Path, default=Path("bench/results/peer_training.json"))
+    args = p.parse_args(argv)
+    work = args.work.resolve()
+    record = json.loads(args.out.read_text()) if args.out.exists() else {}
+    record.update({"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "target": TARGET,
+                   "data": list(QUICKSTART_DATA), "work": str(work)})  # fmt: skip
+    if "data" in args.stages:
+        record["budget"] = stage_data(work, args.tokens)
+    budget = json.loads((work / "data" / "budget.json").read_text())
+    record["budget"] = budget
+    if "capture" in args.stages:
+        record["capture"] = stage_capture(work)
+    if "train" in args.stages:
+        record.setdefault("train", {}).update(stage_train(work, args.runs, budget))
+    for run in record.get("train", {}).values():  # rates from the marks, also for runs kept from before
+        if "wall_s" in run:
+            run.update(throughput(run, budget))
+    if "eval" in args.stages:
+        record["eval"] = stage_eval(work, record.get("train", {}), args.eval_limit, args.max_new_tokens)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1, default=str))
+    print_table(budget, record.get("capture"), record.get("train", {}))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

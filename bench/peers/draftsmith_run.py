@@ -1,0 +1,33 @@
+"""draftsmith's side: ``draftsmith train quickstart`` for the bench's token budget.
+
+Run by bench/peer_training.py with the project's python. It does what the CLI does
+(``train/cli.py``: ``load_config`` of the recipe with dotted overrides, then ``train``) in this
+process, so the optimizer steps can be timed and the final validation read back. The only
+overrides: ``trainer.max_steps`` from the token budget (the steps whose rows the bench gave the
+peers, in the same order), ``trainer.max_time=null`` (the budget, not the clock, ends the run) and
+the output folder. Everything else is the quickstart recipe (online: the target runs in every step).
+"""
+
+from __future__ import annotations
+
+from driver import driver_args, record_steps, write_result
+
+from draftsmith.train.config import load_config
+from draftsmith.train.loop import train
+
+
+def main() -> int:
+    args, budget = driver_args()
+    overrides = [f"--trainer.max_steps={budget['draftsmith_steps']}", "--trainer.max_time=null",
+                 f"--output.dir={args.out / 'run'}"]  # fmt: skip
+    config = load_config("quickstart", overrides)
+    marks = record_steps()
+    result = train(config, overwrite=True)
+    write_result(
+        args.out, marks, result.draft_dir, heldout=result.val, steps=result.steps, overrides=overrides
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""Shared by the peer drivers (run as scripts from this folder): arguments, per-step timestamps, the result file.
+
+Every peer steps a ``torch.optim.Optimizer``, so one global post-step hook times them all alike,
+without touching their training loops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+
+def record_steps() -> list[tuple[float, float]]:
+    """A list that gets (wall, process CPU) seconds appended after every optimizer step in this process.
+
+    Only the first optimizer that steps is counted (speculators steps Muon and AdamW each step).
+    """
+    marks: list[tuple[float, float]] = []
+    first: list[int] = []
+
+    def hook(optimizer, *_):
+        if not first:
+            first.append(id(optimizer))
+        if id(optimizer) == first[0]:
+            marks.append((time.perf_counter(), time.process_time()))
+
+    register_optimizer_step_post_hook(hook)
+    return marks
+
+
+def loaded_distributions() -> dict[str, str]:
+    """Installed distributions (name: version) whose top-level modules this process imported: what the run used."""
+    import sys
+    from importlib.metadata import packages_distributions, version
+
+    owners = packages_distributions()
+    names = {d for m in list(sys.modules) for d in owners.get(m.partition(".")[0], [])}
+    return {name: version(name) for name in sorted(names)}
+
+
+def write_result(out: Path, marks: list, head: Path | None, **fields) -> None:
+    """``out/result.json``: the step marks, the exported head, what else the driver read, the packages it used."""
+    record = {"step_marks": marks, "head": str(head) if head else None, **fields}
+    record["distributions"] = loaded_distributions()
+    (out / "result.json").write_text(json.dumps(record, indent=1, default=str))
+
+
+def driver_args() -> tuple[argparse.Namespace, dict]:
+    """(``--work`` and ``--out`` as bench/peer_training.py passes them, the bench's budget); ``--out`` made."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--work", type=Path, required=True, help="the bench's folder: data/, the captures")
+    p.add_argument("--out", type=Path, required=True, help="this run's folder: result.json, the head")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args, json.loads((args.work / "data" / "budget.json").read_text())

@@ -1,0 +1,163 @@
+"""NVIDIA ModelOpt 0.47.0's EAGLE-3 training, driven the way its ``examples/speculative_decoding/main.py`` does.
+
+Run by bench/peer_training.py with the modelopt venv's python. That example (and its
+``eagle_utils.py``, ``scripts/calibrate_draft_vocab.py``, ``scripts/export_hf_checkpoint.py``) lives in
+the NVIDIA/Model-Optimizer repository, not in the wheel, so this is a driver of the wheel's library
+written after it: the recipe ``modelopt_recipes/general/speculative_decoding/eagle3.yaml`` loaded with
+``modelopt.recipe.load_recipe`` and dotlist overrides, ``HfTrainingArguments`` derived from the
+recipe's training schema, ``load_vlm_or_llm`` + ``mtsp.convert(model, [("eagle", cfg)])`` +
+``load_draft_vocab_cache``, transformers' ``Trainer``, then ``export_speculative_decoding``. The
+target runs in process in every step (ModelOpt's online mode). Where it departs, and why:
+
+- Data: the bench's rendered conversations (draftsmith's chat template and assistant mask) instead of
+  ModelOpt's ``LanguageDataCollator`` rendering the raw ones, so every run sees the same tokens; the
+  mask goes in as ``loss_mask``, which is what ``answer_only_loss`` would give (the recipe's default,
+  false, trains on every token). Rows are padded to ``training_seq_len`` as its collators pad; that
+  length is the bench's (512, every conversation fits) instead of 2,048.
+- Draft vocabulary: ``calibrate_frequent_vocab``'s rule (the most frequent tokens, all tokens counted,
+  ``d2t[i] = id - i``) over the rendered ids of the whole training set, as its calibration script would
+  write ``d2t.pt`` from the data file; the bench's size (ModelOpt refuses 32,000 here: too few
+  distinct tokens).
+- CPU: ``training.use_cpu=true``, ``tf32=false``, ``eagle.eagle_use_torch_compile=false``; the draft
+  layer's shape matched to the target (its default config is Llama-3-8B's); one epoch (its default)
+  over the bench's conversations, one conversation a step (its default batch). Everything else is the
+  recipe's: AdamW lr 1e-4, linear schedule with 1,000 warmup steps, bf16, TTT steps 3.
+- One launch-time workaround: ``dataclasses.make_dataclass`` leaves ``HfTrainingArguments`` in module
+  ``types``, so saving a checkpoint fails to pickle the arguments; its ``__module__`` is set to this one.
+- Held-out: at the end, its model's own loss and per-TTT-step accuracies (what its training logs)
+  on the held-out conversations, without updates; the example runs no evaluation by default.
+- The head is exported from the trained model in memory rather than reloaded from the saved checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+import transformers
+from driver import driver_args, record_steps, write_result
+from modelopt.torch.speculative.plugins.hf_training_args import TrainingArguments as SpecTrainingArgs
+
+HfTrainingArguments = dataclasses.make_dataclass(
+    "HfTrainingArguments",
+    [
+        (name, f.annotation, dataclasses.field(default=f.default))
+        for name, f in SpecTrainingArgs.model_fields.items()
+    ],
+    bases=(transformers.TrainingArguments,),
+)
+HfTrainingArguments.__module__ = __name__  # the pickling workaround (see the module docstring)
+
+
+class Conversations(torch.utils.data.Dataset):
+    """The bench's rendered conversations as ModelOpt's EAGLE model takes them (labels = ids shifted by one)."""
+
+    def __init__(self, path: Path):
+        self.rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.tensor(self.rows[i]["input_ids"])
+        labels = torch.full_like(ids, -100)
+        labels[:-1] = ids[1:]
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "loss_mask": torch.tensor(self.rows[i]["loss_mask"]), "labels": labels}  # fmt: skip
+
+
+def pad_to(length: int):
+    """A collator padding (or cutting) every field to ``length`` with zeros, as ModelOpt's collators do."""
+
+    def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+        out = {}
+        for key in rows[0]:
+            batch = torch.zeros(len(rows), length, dtype=rows[0][key].dtype)
+            for b, row in enumerate(rows):
+                n = min(length, len(row[key]))
+                batch[b, :n] = row[key][:n]
+            out[key] = batch
+        return out
+
+    return collate
+
+
+def calibrate(counts: dict[str, int], size: int) -> torch.Tensor:
+    """``d2t`` offsets of the ``size`` most frequent tokens (``calibrate_frequent_vocab``'s rule)."""
+    vocab = Counter({int(t): n for t, n in counts.items()}).most_common(size)
+    if len(vocab) < size:
+        raise SystemExit(
+            f"only {len(vocab)} distinct tokens in the training data for a {size}-token draft vocabulary"
+        )
+    return torch.tensor([token - i for i, (token, _) in enumerate(vocab)], dtype=torch.int64)
+
+
+@torch.no_grad()
+def heldout_metrics(model, rows: Conversations, collate) -> dict:
+    """The model's own training-time loss and per-TTT-step accuracies on the held-out conversations (no updates)."""
+    losses, accs = [], []
+    model.train()  # every TTT step runs only in training mode; nothing here is stochastic
+    for i in range(len(rows)):
+        out = model(**collate([rows[i]]))
+        losses.append(float(out.loss))
+        accs.append(out.train_acc[0])
+    per_step = torch.tensor(accs, dtype=torch.float64).mean(0).tolist()
+    return {"loss": sum(losses) / len(losses), **{f"acc_{i}": a for i, a in enumerate(per_step)}}
+
+
+def main() -> int:
+    args, budget = driver_args()
+    train = Conversations(args.work / "data" / "train.jsonl")
+    heldout = Conversations(args.work / "data" / "heldout.jsonl")
+    d2t = args.out / "d2t.pt"
+    counts = json.loads((args.work / "data" / "vocab_counts.json").read_text())["all"]
+    torch.save(calibrate(counts, budget["draft_vocab_size"]), d2t)
+
+    import modelopt.torch.opt as mto
+    import modelopt.torch.speculative as mtsp
+    import modelopt_recipes
+    from modelopt.recipe import load_recipe
+    from modelopt.torch.export import export_speculative_decoding
+    from modelopt.torch.speculative.utils import load_vlm_or_llm
+
+    mto.enable_huggingface_checkpointing()
+    torch.manual_seed(0)  # as the example seeds
+    target = Path(budget["target_path"])
+    shape = json.loads((target / "config.json").read_text())
+    recipe_file = Path(modelopt_recipes.__file__).parent / "general" / "speculative_decoding" / "eagle3.yaml"
+    theta = shape.get("rope_theta") or shape["rope_parameters"]["rope_theta"]  # transformers 5 nests it
+    arch = {"num_hidden_layers": budget["num_layers"], "draft_vocab_size": budget["draft_vocab_size"],
+            "rms_norm_eps": shape["rms_norm_eps"], "rope_theta": theta,
+            "rope_scaling.rope_type": "default", "rope_scaling.rope_theta": theta}  # fmt: skip
+    for key in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act"):
+        arch[key] = shape.get(key) or shape["hidden_size"] // shape["num_attention_heads"]
+    overrides = [f"model.model_name_or_path={target}", f"data.draft_vocab_cache={d2t}",
+                 f"data.data_path={args.work / 'data' / 'train.jsonl'}",
+                 f"training.output_dir={args.out / 'output'}", "training.use_cpu=true", "training.tf32=false",
+                 f"training.training_seq_len={budget['max_length']}", "training.logging_steps=1",
+                 "training.report_to=none", "training.dataloader_num_workers=0",
+                 f"eagle.eagle_ttt_steps={budget['ttt_steps']}", "eagle.eagle_use_torch_compile=false",
+                 *(f"eagle.eagle_architecture_config.{k}={v}" for k, v in arch.items())]  # fmt: skip
+    recipe = load_recipe(str(recipe_file), overrides=overrides)
+    training_args = HfTrainingArguments(**recipe.training.model_dump())
+    model = load_vlm_or_llm(str(target), dtype="auto", device_map="cpu")
+    mtsp.convert(model, [("eagle", recipe.eagle.model_dump())])
+    mtsp.plugins.HFEagleModel.load_draft_vocab_cache(model, recipe.data.draft_vocab_cache)
+
+    marks = record_steps()
+    collate = pad_to(training_args.training_seq_len)
+    transformers.Trainer(model=model, args=training_args, train_dataset=train, data_collator=collate).train()
+    heldout_record = heldout_metrics(model, heldout, collate)
+    head = args.out / "head"
+    model.eval()
+    with torch.inference_mode():
+        export_speculative_decoding(model, export_dir=head)
+    write_result(args.out, marks, head, steps=len(marks), heldout=heldout_record)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,235 @@
+"""bench/peer_training.py's pure parts: the token budget, the conversations, each peer's input layout.
+
+The layouts are read back by the peers' own readers where their venvs exist (``bash
+scripts/install_peers.sh``); without them those tests skip and the rest runs on draftsmith alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("peer_training", REPO / "bench" / "peer_training.py")
+peer_training = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(peer_training)
+
+PEERS_ROOT = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith")) / "peers"
+H = 8  # hidden size of the fake captures
+
+
+def test_steps_for_budget_rounds_up_to_whole_batches():
+    lengths = [500] * 10
+    assert peer_training.steps_for_budget(lengths, 1500, batch_size=4) == 1  # 3 rows
+    assert peer_training.steps_for_budget(lengths, 1501, batch_size=4) == 1  # 4 rows
+    assert peer_training.steps_for_budget(lengths, 2001, batch_size=4) == 2  # 5 rows
+    assert peer_training.steps_for_budget(lengths, 5000, batch_size=2) == 5
+    with pytest.raises(ValueError, match="fewer than"):
+        peer_training.steps_for_budget(lengths, 5001, batch_size=4)
+    with pytest.raises(ValueError, match="positive"):
+        peer_training.steps_for_budget(lengths, 0, batch_size=4)
+
+
+def test_sampler_order_is_the_training_loops_order_across_epochs():
+    from draftsmith.train.sampler import ResumableSampler
+
+    sampler = ResumableSampler(10, 4, seed=3, rank=0, world_size=1)
+    first = list(iter(sampler))  # 8 rows: whole batches only
+    sampler.epoch = 1
+    second = list(iter(sampler))
+    assert peer_training.sampler_order(10, 4, seed=3, count=12) == first + second[:4]
+    assert len(set(first)) == 8
+
+
+def test_conversations_of_splits_packed_rows_where_positions_restart():
+    row = {
+        "input_ids": [1, 2, 3, 4, 5, 6],
+        "loss_mask": [0, 1, 1, 0, 0, 1],
+        "position_ids": [0, 1, 2, 0, 1, 2],
+    }
+    convs = peer_training.conversations_of(row)
+    assert convs == [
+        {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
+        {"input_ids": [4, 5, 6], "loss_mask": [0, 0, 1]},
+    ]
+    assert peer_training.token_counts(convs) == {"positions": 6, "loss_tokens": 3, "conversations": 2}
+    assert peer_training.conversations_of({"input_ids": [7, 8], "loss_mask": [1, 1]}) == [
+        {"input_ids": [7, 8], "loss_mask": [1, 1]}
+    ]
+    with pytest.raises(ValueError, match="position 0"):
+        peer_training.conversations_of({"input_ids": [1, 2], "loss_mask": [0, 1], "position_ids": [3, 4]})
+
+
+def test_throughput_counts_steady_state_between_step_marks():
+    budget = {"train": {"positions": 1000, "loss_tokens": 400}}
+    marks = [(10.0, 20.0), (12.0, 24.0), (14.0, 28.0), (15.0, 30.0), (16.0, 32.0)]  # (wall, cpu) per step
+    rates = peer_training.throughput({"wall_s": 20.0, "cpu_s": 40.0, "step_marks": marks}, budget)
+    assert rates["tokens_per_wall_s"] == 50.0 and rates["tokens_per_cpu_s"] == 25.0
+    assert rates["loss_tokens_per_wall_s"] == 20.0
+    # 200 positions a step; with fewer than 8 steps, steps 2-5 count: 600 positions in 4 s wall, 8 s CPU
+    assert rates["steady_tokens_per_wall_s"] == pytest.approx(150.0)
+    assert rates["steady_tokens_per_cpu_s"] == pytest.approx(75.0)
+    eight = [(float(i), 2.0 * i) for i in range(8)]  # from 8 steps on, the first two are left out
+    assert peer_training.throughput({"wall_s": 8.0, "cpu_s": 16.0, "step_marks": eight}, budget)[
+        "steady_s_per_step"
+    ] == pytest.approx(1.0)
+    assert "steady_tokens_per_wall_s" not in peer_training.throughput({"wall_s": 1.0, "cpu_s": 1.0}, budget)
+
+
+def fake_capture(T: int):
+    torch.manual_seed(T)
+    return torch.randn(T, 3 * H), torch.randn(T, H), torch.randn(T, H)
+
+
+def test_specforge_and_speculators_records_hold_the_capture(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    conv = {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}
+    aux, last, normed = fake_capture(4)
+    torch.save(peer_training.specforge_record(conv, aux, normed), tmp_path / "data_000000.ckpt")
+    back = torch.load(tmp_path / "data_000000.ckpt", weights_only=True)
+    assert set(back) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
+    assert back["input_ids"].tolist() == conv["input_ids"] and back["loss_mask"].tolist() == conv["loss_mask"]
+    assert back["aux_hidden_state"].shape == (1, 4, 3 * H) and back["hidden_state"].shape == (1, 4, H)
+    assert torch.equal(back["hidden_state"][0], normed.to(torch.bfloat16))
+
+    save_file(peer_training.speculators_record(conv, aux, last), tmp_path / "hs_0.safetensors")
+    hs = load_file(tmp_path / "hs_0.safetensors")
+    assert hs["token_ids"].tolist() == conv["input_ids"] and hs["hidden_states"].shape == (4, 4, H)
+    # what speculators' ArrowDataset reads out of it
+    assert torch.equal(hs["hidden_states"][:, :-1].flatten(1), aux.to(torch.bfloat16))
+    assert torch.equal(hs["hidden_states"][:, -1], last.to(torch.bfloat16))
+
+
+def write_layouts(work: Path) -> tuple[list[dict], list[dict]]:
+    """A tiny bench work folder: conversations, vocabulary counts, both capture layouts."""
+    train = [
+        {"input_ids": [3, 4, 5, 6, 7], "loss_mask": [0, 1, 1, 1, 1]},
+        {"input_ids": [3, 9, 9], "loss_mask": [0, 0, 1]},
+    ]
+    heldout = [{"input_ids": [3, 4, 8, 8], "loss_mask": [0, 1, 1, 1]}]
+    (work / "data").mkdir(parents=True)
+    peer_training.write_jsonl(work / "data" / "train.jsonl", train)
+    peer_training.write_jsonl(work / "data" / "heldout.jsonl", heldout)
+    counts = {"all": {3: 3, 4: 1, 5: 1, 6: 1, 7: 1, 9: 2}, "assistant": {4: 1, 5: 1, 6: 1, 7: 1, 9: 1}}
+    (work / "data" / "vocab_counts.json").write_text(json.dumps(counts))
+    (work / "speculators" / "hidden_states").mkdir(parents=True)
+    for split, convs, offset in (("train", train, 0), ("heldout", heldout, len(train))):
+        (work / "specforge" / split).mkdir(parents=True)
+        for i, conv in enumerate(convs):
+            from safetensors.torch import save_file
+
+            aux, last, normed = fake_capture(len(conv["input_ids"]))
+            torch.save(
+                peer_training.specforge_record(conv, aux, normed),
+                work / "specforge" / split / f"data_{i:06d}.ckpt",
+            )
+            save_file(peer_training.speculators_record(conv, aux, last), work / "speculators" / "hidden_states" / f"hs_{offset + i}.safetensors")  # fmt: skip
+    peer_training.write_speculators_index(work / "speculators", train, heldout, peer_training.read_vocab_counts(work)["assistant"])  # fmt: skip
+    return train, heldout
+
+
+def test_layouts_read_back(tmp_path):
+    import datasets
+
+    train, heldout = write_layouts(tmp_path)
+    assert peer_training.read_jsonl(tmp_path / "data" / "train.jsonl") == train
+    assert peer_training.read_vocab_counts(tmp_path)["all"][9] == 2
+    sp = tmp_path / "speculators"
+    ds = datasets.load_from_disk(str(sp))
+    assert len(ds) == 3 and ds.format["type"] == "torch"
+    assert ds[2]["input_ids"].tolist() == heldout[0]["input_ids"]
+    assert [int(n) for n in ds["seq_len"]] == [5, 3, 4]
+    assert json.loads((sp / "split.json").read_text()) == {"train": 2, "heldout": 1}
+    assert torch.load(sp / "token_freq.pt") == {4: 1, 5: 1, 6: 1, 7: 1, 9: 1}
+
+
+def test_specforge_stand_in_loss_is_the_kernels_loss():
+    """bench/peers/specforge_run.py's torch LogSoftmaxLoss against the sum its Triton kernels compute, by hand."""
+    code = """
+import torch, specforge_run
+torch.manual_seed(0)
+logits, target = torch.randn(2, 3, 5, requires_grad=True), torch.softmax(torch.randn(2, 3, 5), -1)
+mask = torch.tensor([[1, 0, 1], [0, 0, 1]]).view(2, 3, 1)
+loss = specforge_run.torch_log_softmax_loss().LogSoftmaxLoss.apply(logits, target, mask)
+rows = [-(target[b, t] * torch.log_softmax(logits[b, t], -1)).sum() for b in range(2) for t in range(3) if mask[b, t]]
+assert torch.allclose(loss, sum(rows) / 6), (loss, sum(rows) / 6)
+loss.backward()
+assert logits.grad[0, 1].abs().sum() == 0
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO / "bench" / "peers", capture_output=True, text=True
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr
+
+
+def peer_or_skip(peer: str) -> Path:
+    python = PEERS_ROOT / peer / "bin" / "python"
+    if not python.exists():
+        pytest.skip(f"no {peer} venv at {python.parent.parent} (bash scripts/install_peers.sh {peer})")
+    return python
+
+
+def run_in_peer(peer: str, code: str) -> str:
+    done = subprocess.run([str(peer_or_skip(peer)), "-W", "ignore", "-c", code], cwd=REPO / "bench" / "peers",
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_specforge_reads_its_layout(tmp_path):
+    write_layouts(tmp_path)
+    code = f"""
+from specforge.data.preprocessing import OfflineEagle3Dataset
+from specforge.runtime.data_plane.feature_store import load_feature_file
+from specforge.runtime.data_plane.offline_reader import list_feature_files
+files = list_feature_files("{tmp_path / "specforge" / "train"}")
+assert len(files) == 2, files
+row = OfflineEagle3Dataset.process_data(load_feature_file(files[0]), max_len=512)
+assert row["hidden_state"].shape == (1, 5, {3 * H}) and row["target"].shape == (1, 5, {H}), row["hidden_state"].shape
+assert row["input_ids"].tolist() == [[3, 4, 5, 6, 7]] and row["loss_mask"].tolist() == [[0, 1, 1, 1, 0]]
+print("ok")
+"""
+    assert "ok" in run_in_peer("specforge", code)
+
+
+def test_speculators_reads_its_layout(tmp_path):
+    write_layouts(tmp_path)
+    code = f"""
+import torch
+from speculators.train.data import ArrowDataset
+split = {{"train": 2, "heldout": 1}}
+ratio = (split["train"] + 0.5) / 3  # as bench/peers/speculators_run.py splits
+train = ArrowDataset(512, "{tmp_path / "speculators"}", on_missing="raise", train_ratio=ratio)
+val = ArrowDataset(512, "{tmp_path / "speculators"}", on_missing="raise", train_ratio=ratio, split="val")
+assert len(train) == 2 and len(val) == 1
+row = val[0]
+assert row["input_ids"].tolist() == [3, 4, 8, 8] and row["loss_mask"].tolist() == [0, 1, 1, 1]
+assert row["hidden_states"].shape == (4, {3 * H}) and row["verifier_last_hidden_states"].shape == (4, {H})
+print("ok")
+"""
+    assert "ok" in run_in_peer("speculators", code)
+
+
+def test_modelopt_driver_batches_and_calibrates(tmp_path):
+    write_layouts(tmp_path)
+    code = f"""
+import torch, modelopt_run
+rows = modelopt_run.Conversations(__import__("pathlib").Path("{tmp_path / "data" / "train.jsonl"}"))
+batch = modelopt_run.pad_to(6)([rows[0], rows[1]])
+assert batch["input_ids"].tolist() == [[3, 4, 5, 6, 7, 0], [3, 9, 9, 0, 0, 0]]
+assert batch["labels"][0].tolist() == [4, 5, 6, 7, -100, 0] and batch["loss_mask"][1].tolist() == [0, 0, 1, 0, 0, 0]
+assert batch["attention_mask"][1].tolist() == [1, 1, 1, 0, 0, 0]
+d2t = modelopt_run.calibrate({{"3": 3, "9": 2, "4": 1}}, 2)
+assert d2t.tolist() == [3, 8]  # draft id i -> target id i + d2t[i]: 3, 9
+print("ok")
+"""
+    assert "ok" in run_in_peer("modelopt", code)
