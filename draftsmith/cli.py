@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from draftsmith import files
+
 # subcommand -> (module with add_parser, one-line help)
 SUBCOMMANDS = {
     "eval": ("draftsmith.eval.cli", "measure τ, acceptance and speedup of drafts against the target alone"),
@@ -66,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.command is None else 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError) as err:
+    except (
+        ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError, files.DiskFullError
+    ) as err:  # fmt: skip
         print(f"draftsmith {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -18,6 +18,18 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+
+class DiskFullError(OSError):
+    """A write failed for want of space; the message says what was kept and how to go on."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.errno = 28  # ENOSPC
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 TMP_TAG = ".tmp-"
@@ -203,3 +215,88 @@ def remove_stale(parent: str | Path, name: str) -> list[Path]:
     for path in stale:
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     return stale
+
+
+def read_json(path: str | Path, fix: str = "", expect_object: bool = True):
+    """The JSON in ``path`` (an object unless ``expect_object`` is False). A malformed file is a ``ValueError``
+    whose first line names it, what is wrong at which line and column, and ``fix`` (what to do; Python's own
+    message names no file), then the text around the fault."""
+    path = Path(path)
+    then = f" {fix}." if fix else ""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not JSON: byte {err.start} is not UTF-8 text.{then}") from err
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        what, _, where = json_error(err, text).partition(":\n")
+        raise ValueError(f"{path} is not valid JSON: {what}.{then}\n{where}") from err
+    if expect_object and not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__} where an object belongs.{then}")
+    return value
+
+
+SAFETENSORS_HEADER_LIMIT = 100_000_000
+"""The largest header the safetensors library reads (its ``N_MAX_HEADER``); a larger length is garbage."""
+
+
+def safetensors_problem(path: str | Path) -> str | None:
+    """What is wrong with the safetensors file ``path`` ("cut short: ...", "corrupt: ..."), or None if whole.
+
+    Read from the format itself (8 bytes of header length, a JSON header, then every tensor's bytes at the
+    offsets it gives), without loading a tensor: the safetensors library says "incomplete metadata" and
+    names no file, and a truncated copy is what a killed ``cp`` or download leaves.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            return f"cut short: {size} bytes, fewer than the 8 that give a safetensors header's length"
+        length = int.from_bytes(prefix, "little")
+        if length > SAFETENSORS_HEADER_LIMIT:
+            return f"not a safetensors file: its first 8 bytes give a header of {length:,} bytes"
+        if 8 + length > size:
+            return f"cut short: {size:,} bytes, and its header alone takes {8 + length:,}"
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return "corrupt: its header is not valid JSON (not a safetensors file, or overwritten)"
+    if not isinstance(header, dict):
+        return "corrupt: its header is not a JSON object"
+    ends = [
+        entry["data_offsets"][1]
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets") or ()) == 2
+    ]
+    if len(ends) != len([n for n in header if n != "__metadata__"]):
+        return "corrupt: its header lists a tensor without data offsets"
+    expected = 8 + length + max(ends, default=0)
+    if size < expected:
+        return f"cut short: {size:,} bytes of the {expected:,} its header lists"
+    if size > expected:
+        return f"corrupt: {size:,} bytes where its header lists {expected:,} (safetensors refuses the extra bytes)"
+    return None
+
+
+def check_model_files(directory: str | Path, fix: str) -> Path:
+    """Refuse a saved model directory with a partial or corrupt file: every ``*.json`` parses, every
+    ``*.safetensors`` is whole, every shard an index names exists. One ``ValueError`` naming the file, what
+    is wrong and ``fix`` (what to do), before anything loads or is written from it."""
+    directory = Path(directory)
+    for path in sorted(directory.glob("*.json")):
+        read_json(path, fix, expect_object=False)
+    for index in sorted(directory.glob("*.safetensors.index.json")):
+        shards = set((read_json(index, fix).get("weight_map") or {}).values())
+        missing = sorted(s for s in shards if not (directory / s).is_file())
+        if missing:
+            raise FileNotFoundError(
+                f"{index} names weight files that are not there: {', '.join(missing)}. {fix}."
+            )
+    for path in sorted(directory.glob("*.safetensors")):
+        problem = safetensors_problem(path)
+        if problem:
+            raise ValueError(f"{path} is {problem}. {fix}.")
+    return directory

@@ -1,6 +1,7 @@
 """One training run in its own process, for the tests that need several (DDP, kill-and-resume).
 
-    python tests/train_worker.py TARGET_DIR DATA OUT [--resume] [--kill-at-step N] [--section.key=value ...]
+    python tests/train_worker.py TARGET_DIR DATA OUT [--resume] [--kill-at-step N]
+        [--pause-at-step N MARKER RELEASE] [--fill-disk-at-step N FILLER] [--section.key=value ...]
 
 Runs ``train`` with the tests' tiny config (``test_loop.make_config``) under deterministic settings
 on one thread. ``--kill-at-step N`` SIGKILLs the process right after optimizer step N, as a crash
@@ -15,6 +16,7 @@ import os
 import random
 import signal
 import sys
+import time
 
 import lightning as L
 import numpy as np
@@ -44,6 +46,45 @@ register_objective("test-noisy")(
 )
 
 
+class PauseAtStep(L.Callback):
+    """After optimizer step N: write MARKER, then wait (up to a minute) until RELEASE exists, so a test can
+    act on a process it knows is mid-training (send it a signal, start a second job beside it)."""
+
+    def __init__(self, step: int, marker: str, release: str):
+        self.step, self.marker, self.release = step, marker, release
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and not os.path.exists(self.marker):
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.release) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+class FillDiskAtStep(L.Callback):
+    """After optimizer step N, fill the output folder's filesystem (a small tmpfs in the test) to the last byte."""
+
+    def __init__(self, step: int, filler: str):
+        self.step, self.filler = step, filler
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and not os.path.exists(self.filler):
+            with open(self.filler, "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 65536)
+                        f.flush()
+                except OSError:
+                    pass
+                try:  # the last partial block
+                    while True:
+                        f.write(b"\0")
+                        f.flush()
+                except OSError:
+                    pass
+
+
 class KillAtStep(L.Callback):
     def __init__(self, step: int):
         self.step = step
@@ -66,6 +107,14 @@ def main(argv: list[str]) -> None:
         i = rest.index("--kill-at-step")
         callbacks.append(KillAtStep(int(rest[i + 1])))
         del rest[i : i + 2]
+    if "--pause-at-step" in rest:
+        i = rest.index("--pause-at-step")
+        callbacks.append(PauseAtStep(int(rest[i + 1]), rest[i + 2], rest[i + 3]))
+        del rest[i : i + 4]
+    if "--fill-disk-at-step" in rest:
+        i = rest.index("--fill-disk-at-step")
+        callbacks.append(FillDiskAtStep(int(rest[i + 1]), rest[i + 2]))
+        del rest[i : i + 3]
     overrides = [a for a in rest if a != "--resume"]
     deterministic()
     train(make_config(target_dir, data, out, *overrides), resume=resume, callbacks=callbacks,

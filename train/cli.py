@@ -7,6 +7,7 @@ docstrings in ``train/config.py``; torch and Lightning are imported only when tr
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from draftsmith.train.config import describe, load_config
@@ -94,12 +95,16 @@ def run(args: argparse.Namespace) -> int:
 
     from draftsmith.train.loop import train
 
+    force_resume = args.force_resume or "--force-resume" in flags
+    again = ["draftsmith", "train", args.config, *(f"--preset={p}" for p in [*args.preset, *presets])]
+    again += [*overrides, "--resume", *(["--force-resume"] if force_resume else [])]
     try:
         train(
             config,
             resume=args.resume or "--resume" in flags,
             overwrite=args.overwrite or "--overwrite" in flags,
-            force_resume=args.force_resume or "--force-resume" in flags,
+            force_resume=force_resume,
+            resume_command=shlex.join(again),
         )
     except ImportError as err:  # an optional extra the config needs (DeepSpeed) is not installed
         print(f"draftsmith train: error: {err}", file=sys.stderr)

@@ -12,8 +12,10 @@ through ``train/distributed.py``; nothing here depends on how many processes run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import shlex
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,6 +52,7 @@ from draftsmith.train.distributed import (
     resolve_auto_precision,
     target_device,
 )
+from draftsmith.train.faults import OutputLock, Preemption, disk_full_error
 from draftsmith.train.feature_cache import FeatureCache, build_feature_cache, collate_cached
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.preflight import preflight, record_recipe_change
@@ -325,6 +328,7 @@ def train(
     target: Target | None = None,
     overwrite: bool = False,
     force_resume: bool = False,
+    resume_command: str | None = None,
     **trainer_overrides,
 ) -> TrainResult:
     """Run a whole training from a config: data, (offline cache), objective, fit, final validation, export.
@@ -332,6 +336,9 @@ def train(
     Everything that can be checked without the target is checked first (``preflight``), so a bad recipe
     fails in a second and leaves nothing behind. ``overwrite`` replaces a finished draft in the output
     folder; ``force_resume`` resumes although the recipe changed in a way that can break exact resume.
+    The output folder is locked for the run (``train/faults.py``); SIGTERM, SIGUSR1 and SIGINT save a
+    checkpoint at the next step and stop with 128 + the signal, printing ``resume_command`` (default:
+    ``draftsmith train <output.dir>/config.yaml --resume``).
     """
     output_dir = Path(config.output.dir)
     check_strategy(config.trainer)
@@ -343,9 +350,31 @@ def train(
             flush=True,
         )
     config = resolved
-    changes = preflight(config, resume, overwrite, force_resume)
-    ckpt = last_checkpoint(output_dir)
+    preflight(config, resume, overwrite, force_resume)  # before the lock: a bad recipe writes nothing
     rank, _, world_size = env_rank()  # known before Lightning starts the process group
+    resume_command = (
+        resume_command or f"draftsmith train {shlex.quote(str(output_dir / 'config.yaml'))} --resume"
+    )
+    with OutputLock(output_dir) if rank == 0 else contextlib.nullcontext():  # one job per folder
+        return _train_locked(
+            config,
+            resume,
+            target,
+            overwrite,
+            force_resume,
+            resume_command,
+            rank,
+            world_size,
+            trainer_overrides,
+        )
+
+
+def _train_locked(
+    config, resume, target, overwrite, force_resume, resume_command, rank, world_size, trainer_overrides
+) -> TrainResult:
+    output_dir = Path(config.output.dir)
+    changes = preflight(config, resume, overwrite, force_resume)  # again, now that no other job can write
+    ckpt = last_checkpoint(output_dir)
     if rank == 0:
         remove_partial_checkpoints(output_dir)  # left by a run killed while writing one
         files.remove_stale(output_dir, DRAFT_DIR)  # ... or while exporting the draft
@@ -393,18 +422,33 @@ def train(
     module = DraftModule(objective, config, target, output_dir)
     if config.trainer.activation_checkpointing:
         enable_activation_checkpointing(module.draft, config.draft.kind)
-    callbacks = [ExactResume(train_loader.sampler, objective), *trainer_overrides.pop("callbacks", [])]
+    last = output_dir / CHECKPOINT_DIR / LAST
+    preemption = Preemption(lambda trainer: trainer.save_checkpoint(last) or last, resume_command)
+    callbacks = [
+        ExactResume(train_loader.sampler, objective),
+        preemption,
+        *trainer_overrides.pop("callbacks", []),
+    ]
     trainer = make_trainer(config, output_dir, callbacks=callbacks, **trainer_overrides)
-    trainer.fit(module, train_loader, val_loader, ckpt_path=str(ckpt) if resume else None)
-    if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
-        trainer.validate(module, val_loader, verbose=False)  # final τ for the final weights (and export)
-    trainer.save_checkpoint(output_dir / CHECKPOINT_DIR / LAST, weights_only=False)  # all of it, and quietly
+    try:
+        trainer.fit(module, train_loader, val_loader, ckpt_path=str(ckpt) if resume else None)
+        if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
+            trainer.validate(module, val_loader, verbose=False)  # final τ for the final weights (and export)
+        trainer.save_checkpoint(last, weights_only=False)  # all of it, and quietly
+    except (OSError, RuntimeError) as err:
+        full = disk_full_error(err, output_dir, last_checkpoint(output_dir), resume_command)
+        if full is None:
+            raise
+        raise full from err
+    finally:
+        preemption.restore()
     val = {k: v for k, v in module.val_history[-1].items() if k not in ("step", "histogram")}
     result = TrainResult(
         output_dir, output_dir / DRAFT_DIR, last_checkpoint(output_dir), trainer.global_step, val
     )
     if trainer.is_global_zero:
         print_summary(result)
+    preemption.after_run()  # a signal during the final validation or export: saved, yet not exit 0
     return result
 
 

@@ -1,0 +1,173 @@
+"""Faults a cluster throws at a real training subprocess: preemption signals, a second job in the same
+folder, a full disk. Each run is compared with a straight run, bit for bit, after it resumes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_loop import tiny_target_dir  # noqa: F401 (fixture)
+from test_resume import RUN, WORKER, final_weights, run_worker, uniform_conversations  # noqa: F401
+
+from draftsmith import files
+from draftsmith.cli import main
+from draftsmith.train.checkpoint import last_checkpoint
+from draftsmith.train.faults import LOCK_NAME, FolderInUseError, OutputLock
+
+
+def start_paused(folder: Path, step: int, *args) -> tuple[subprocess.Popen, Path]:
+    """A worker (``*args``: its arguments) that has finished optimizer step ``step`` and waits there until
+    the returned release file exists."""
+    marker, release = folder / "at_step", folder / "release"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    cmd = [
+        sys.executable,
+        str(WORKER),
+        *map(str, args),
+        "--pause-at-step",
+        str(step),
+        str(marker),
+        str(release),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 600
+    while not marker.exists():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(
+                f"the worker ended before step {step}: rc {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+            )
+        assert time.monotonic() < deadline, f"the worker did not reach step {step}"
+        time.sleep(0.05)
+    return proc, release
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_target_dir, uniform_conversations, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("straight") / "run"
+    proc = run_worker(tiny_target_dir, uniform_conversations, out, *RUN, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return final_weights(out)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_saves_at_the_next_step_says_how_to_resume_and_never_exits_0(
+    sig,
+    tiny_target_dir,
+    uniform_conversations,
+    straight,
+    tmp_path,  # noqa: F811
+):
+    out = tmp_path / "run"
+    proc, release = start_paused(tmp_path, 2, tiny_target_dir, uniform_conversations, out, *RUN)
+    proc.send_signal(sig)  # mid-training, before the first checkpoint (ckpt_every=3)
+    release.touch()
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 128 + sig, f"rc {proc.returncode}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+    lines = [line for line in stdout.splitlines() if line.startswith(f"[draftsmith] {sig.name}:")]
+    assert len(lines) == 1, stdout[-3000:]
+    saved = re.search(r"stopped after step (\d+), saved (\S+); continue with: (.+)$", lines[0])
+    assert saved and Path(saved[2]) == last_checkpoint(out), lines[0]
+    assert saved[3] == f"draftsmith train {out / 'config.yaml'} --resume"
+    # the step under way when the signal came finishes (step 3 here: the worker paused after step 2)
+    assert torch.load(saved[2], weights_only=True)["global_step"] == int(saved[1]) in (2, 3)
+    resumed = run_worker(tiny_target_dir, uniform_conversations, out, *RUN, "--resume", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = final_weights(out)
+    assert all(torch.equal(after[k], straight[k]) for k in straight), "resume after the signal is not exact"
+
+
+def test_a_second_job_in_the_same_folder_is_refused_naming_the_first(
+    tiny_target_dir,
+    uniform_conversations,
+    straight,
+    tmp_path,  # noqa: F811
+):
+    out = tmp_path / "run"
+    first, release = start_paused(tmp_path, 1, tiny_target_dir, uniform_conversations, out, *RUN)
+    second = run_worker(
+        tiny_target_dir, uniform_conversations, out, *RUN, "--optim.lr=0.5", "--trainer.seed=7", timeout=600
+    )
+    release.touch()
+    first_out, first_err = first.communicate(timeout=600)
+    assert second.returncode != 0
+    assert f"in use by another training job (pid {first.pid} on " in second.stderr
+    assert first.returncode == 0, first_err[-3000:]
+    after = final_weights(out)  # the first run's work, whole
+    assert all(torch.equal(after[k], straight[k]) for k in straight)
+
+
+def test_the_lock_dies_with_its_process_and_a_failed_start_leaves_nothing(tmp_path):
+    folder = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from draftsmith.train.faults import OutputLock\n"
+         f"with OutputLock({str(folder)!r}):\n    print('locked', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(FolderInUseError, match=f"pid {holder.pid} on "):
+        OutputLock(folder).__enter__()
+    holder.kill()  # kill -9: no cleanup, yet no stale lock
+    holder.wait()
+    with OutputLock(folder):
+        assert (folder / LOCK_NAME).is_file()
+    fresh = tmp_path / "never_used"
+    with OutputLock(fresh):
+        pass
+    assert not fresh.exists()  # nothing written there: the folder goes with its lock file
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 24 MiB tmpfs (root only; skipped where mounting is not allowed)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip() or 'not root'})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_says_so_keeps_the_last_checkpoint_and_resumes_once_freed(
+    tiny_target_dir,
+    uniform_conversations,
+    straight,
+    small_disk,  # noqa: F811
+):
+    out, filler = small_disk / "run", small_disk / "filler"
+    proc = run_worker(
+        tiny_target_dir, uniform_conversations, out, *RUN, "--fill-disk-at-step", "4", filler, timeout=600
+    )
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "No space left on device while writing into" in last, proc.stderr[-3000:]
+    assert f"the last good checkpoint, {out / 'checkpoints' / 'last.ckpt'}, is kept" in last
+    assert torch.load(last_checkpoint(out), weights_only=True)["global_step"] == 3
+    filler.unlink()
+    resumed = run_worker(tiny_target_dir, uniform_conversations, out, *RUN, "--resume", timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = final_weights(out)
+    assert all(torch.equal(after[k], straight[k]) for k in straight)
+
+
+def test_the_command_line_prints_a_full_disk_in_one_line(monkeypatch, tmp_path, capsys):
+    def full(*args, **kwargs):
+        raise files.DiskFullError("No space left on device while writing into x; resume with y")
+
+    monkeypatch.setattr("draftsmith.train.loop.train", full)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("draft: {kind: eagle3}\ndata: {paths: [builtin:gsm8k_train]}\n")
+    assert main(["train", str(recipe)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "draftsmith train: error: No space left on device while writing into x; resume with y"
+    )

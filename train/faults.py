@@ -1,0 +1,211 @@
+"""What a cluster throws at a training job: preemption signals, a second job in the same folder, a full disk.
+
+- ``Preemption``: SIGTERM (how SLURM, Kubernetes and spot instances stop a job), SIGUSR1 (what SLURM's
+  ``--signal`` sends ahead of a time limit) and SIGINT (Ctrl-C) let the current optimizer step finish,
+  save a checkpoint there (the same ``last.ckpt`` exact resume reads), print one line with the resume
+  command, and exit with 128 + the signal number: a scheduler never reads a stopped job as done. A
+  second SIGINT stops at once.
+- ``OutputLock``: an exclusive ``flock`` on ``<output.dir>/.draftsmith.lock``, held for the run by its
+  global rank 0. The kernel drops it when the process ends, however it ends, so a kill -9 leaves no stale
+  lock; a second job is refused with the holder's pid, host and start time.
+- ``disk_full_error``: a failed checkpoint write on a full disk, said as such, with what was kept.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+
+import lightning as L
+
+from draftsmith.files import DiskFullError
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+LOCK_NAME = ".draftsmith.lock"
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class FolderInUseError(ValueError):
+    """Another job holds the output folder's lock."""
+
+
+class Preempted(SystemExit):
+    """Training stopped by a signal after saving a checkpoint; the exit code is 128 + the signal."""
+
+
+class Preemption(L.Callback):
+    """Stop at the next optimizer-step boundary after SIGTERM, SIGUSR1 or SIGINT, with a checkpoint there.
+
+    ``save(trainer) -> Path`` writes the checkpoint (the loop's own ``last.ckpt``); ``resume_command`` is
+    printed with it. Every rank installs the handlers; ranks agree to stop when any of them was signalled,
+    so a signal that reaches one rank stops all of them at the same step.
+    """
+
+    def __init__(self, save, resume_command: str):
+        self.save = save
+        self.resume_command = resume_command
+        self.received: int | None = None
+        self._outside = {sig: signal.getsignal(sig) for sig in SIGNALS}  # before Lightning adds its own
+        self._launcher = None
+        self._step_at_start = -1
+
+    def _install(self, trainer: L.Trainer) -> None:
+        # after Lightning registers its own (which, for SIGTERM, stops but exits 0), in their place
+        self._launcher = trainer.strategy.launcher
+        for sig in SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def on_sanity_check_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._install(trainer)
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self._install(trainer)
+
+    def restore(self) -> None:
+        """Put back the handlers there were before training (call when fit returns or fails)."""
+        for sig, handler in self._outside.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.received is not None:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.received = signum
+        launcher = self._launcher  # ranks that Lightning started itself get the signal from here
+        if launcher is not None and getattr(launcher, "procs", None):
+            launcher.kill(signum)
+
+    def on_train_batch_start(self, trainer: L.Trainer, module, batch, batch_idx: int) -> None:
+        self._step_at_start = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self._step_at_start:  # mid-accumulation: not a step boundary
+            return
+        stop = trainer.strategy.reduce_boolean_decision(self.received is not None, all=False)
+        if not stop:
+            return
+        path = self.save(trainer)
+        name = signal.Signals(self.received).name if self.received else "a signal on another rank"
+        if trainer.is_global_zero:
+            print(
+                f"\n[draftsmith] {name}: stopped after step {trainer.global_step}, saved {path}; "
+                f"continue with: {self.resume_command}",
+                flush=True,
+            )
+        raise Preempted(128 + (self.received or signal.SIGTERM))
+
+    def after_run(self) -> None:
+        """A signal that came after the last step (final validation, export): the run is whole, and says so."""
+        if self.received is not None:
+            name = signal.Signals(self.received).name
+            print(f"[draftsmith] {name} came after the last step; the run finished and is saved", flush=True)
+            raise Preempted(128 + self.received)
+
+
+class OutputLock:
+    """An exclusive lock on an output folder for as long as a job runs there (a context manager).
+
+    ``flock`` locks are the kernel's: they die with the process, so there is never a stale lock to clear.
+    On network filesystems they hold across machines where the filesystem supports them (NFSv4; NFSv3
+    with lockd; Lustre mounted with ``-o flock``). Where it refuses locks (ENOLCK, EOPNOTSUPP), the job
+    warns and runs without one.
+    """
+
+    def __init__(self, directory: str | Path):
+        self.path = Path(directory) / LOCK_NAME
+        self._file = None
+        self._made_folder = False
+
+    def __enter__(self) -> OutputLock:
+        self._made_folder = not self.path.parent.exists()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for the lock's life)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = _describe_holder(f.read())
+            f.close()
+            raise FolderInUseError(
+                f"{self.path.parent} is in use by another training job ({holder}); two jobs in one output "
+                "folder overwrite each other's checkpoints. Wait for it, stop it, or set --output.dir to "
+                "another folder"
+            ) from None
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                f.close()
+                raise
+            print(
+                f"[draftsmith] warning: {self.path.parent}'s filesystem does not support file locks "
+                f"({err.strerror}); nothing stops a second job from using this output folder",
+                flush=True,
+            )
+        f.seek(0)
+        f.truncate()
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
+        f.write(json.dumps(holder) + "\n")
+        f.flush()
+        os.chmod(self.path, 0o644)
+        self._file = f
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is None:
+            return
+        folder = self.path.parent
+        if self._made_folder and os.listdir(folder) == [LOCK_NAME]:  # a run that failed before writing
+            self.path.unlink()
+            folder.rmdir()
+        self._file.close()  # closing releases the lock; the file stays (removing it would race)
+        self._file = None
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        h = json.loads(text)
+        return f"pid {h['pid']} on {h['host']}, started {h['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not yet said who it is"
+
+
+def disk_full_error(
+    err: BaseException, folder: Path, kept: Path | None, resume_command: str
+) -> DiskFullError | None:
+    """A whole-sentence error for a write into ``folder`` that failed for want of space, else None.
+
+    torch's zip writer reports a full disk as ``RuntimeError: ... unexpected pos``, without the errno,
+    so the free space of the folder is asked too.
+    """
+    codes = {getattr(e, "errno", None) for e in _chain(err)}
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    torch_writer = any("unexpected pos" in str(e) or "PytorchStreamWriter" in str(e) for e in _chain(err))
+    if not (codes & set(NO_SPACE) or (torch_writer and free < 64 * 2**20)):
+        return None
+    keeps = (
+        f"the last good checkpoint, {kept}, is kept, and --resume continues from it"
+        if kept
+        else "no checkpoint had been saved yet, so a rerun starts over"
+    )
+    return DiskFullError(
+        f"No space left on device while writing into {folder} ({free / 2**20:.0f} MiB free); {keeps}. Free some "
+        f"space and continue with: {resume_command}"
+    )
+
+
+def _chain(err: BaseException):
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
