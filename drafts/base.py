@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from draftsmith import files
 from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.features import LAYER_ID_CONVENTION
 
@@ -137,10 +137,38 @@ def kind_of_config(config: dict) -> DraftKind:
     return draft_kind(name)
 
 
+DRAFT_FIX = "Copy or download the draft again (a training run writes draft/ anew when resumed with --resume)"
+"""What to do about a draft directory with a partial or corrupt file (``files.check_model_files``)."""
+
+
+def draft_dir_of(path: str | Path) -> Path:
+    """The draft directory ``path`` names: itself (it holds config.json), or ``RUN/draft`` for a ``draftsmith
+    train`` run directory. The one rule ``--draft``, export, publish and the report lookup all use."""
+    path = Path(path)
+    if not (path / "config.json").is_file() and (path / RUN_DRAFT / "config.json").is_file():
+        return path / RUN_DRAFT
+    return path
+
+
+def read_draft_config(draft_dir: str | Path) -> dict:
+    """A draft directory's ``config.json`` after checking every file in it is whole (``check_model_files``):
+    a cut-short copy or malformed JSON is one error naming the file, before anything loads from it."""
+    draft_dir = Path(draft_dir)
+    files.check_model_files(draft_dir, DRAFT_FIX)
+    config = draft_dir / "config.json"
+    return files.read_json(config, DRAFT_FIX) if config.is_file() else {}
+
+
+def check_draft_files(spec: str) -> None:
+    """Refuse a ``--draft`` that names a local draft (or run) directory with a partial or corrupt file, before
+    a target loads for it (minutes for a real one); a training-free spec or a Hub id is checked when built."""
+    if Path(spec).is_dir():
+        read_draft_config(draft_dir_of(spec))
+
+
 def kind_of_checkpoint(path: str | Path) -> DraftKind:
     """The kind of the draft saved in directory ``path`` (any causal-LM directory reads as ``distill``)."""
-    config = Path(path) / "config.json"
-    return kind_of_config(json.loads(config.read_text()) if config.is_file() else {})
+    return kind_of_config(read_draft_config(path))
 
 
 def check_target(
@@ -183,11 +211,8 @@ def build_drafter(spec: str, target: Target) -> Drafter:
         )
     from draftsmith.hub import resolve_pretrained
 
-    spec = resolve_pretrained(spec, what="draft")  # a Hub id becomes its local snapshot (cache first)
-    run_draft = Path(spec) / RUN_DRAFT
-    if not (Path(spec) / "config.json").is_file() and (run_draft / "config.json").is_file():
-        spec = str(run_draft)  # a `draftsmith train` run directory: its draft
-    elif Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
+    spec = str(draft_dir_of(resolve_pretrained(spec, what="draft")))  # a Hub id: its local snapshot
+    if Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
         raise FileNotFoundError(
             f"--draft {spec} holds no draft: expected config.json in it (a draft directory) or draft/config.json "
             "(a `draftsmith train` run directory; it appears once the run has validated)"

@@ -7,11 +7,10 @@ once, see ``draftsmith.hub``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.drafts.base import DraftKind, kind_of_config
+from draftsmith.drafts.base import DraftKind, draft_dir_of, kind_of_config, read_draft_config
 from draftsmith.hub import resolve_pretrained
 
 RECIPE_FILES = ("train_config.yaml",)  # written into draft/ by the training loop
@@ -50,15 +49,15 @@ def locate_checkpoint(spec: str) -> DraftCheckpoint:
         raise FileNotFoundError(
             f"checkpoint {spec!r} does not exist (pass a run directory or a draft directory)"
         )
-    if (path / "config.json").is_file():
-        draft_dir = path
-        run_dir = path.parent if (path.parent / RUN_RECIPE).is_file() else None
-    elif (path / "draft" / "config.json").is_file():
-        draft_dir, run_dir = path / "draft", path
-    else:
+    draft_dir = draft_dir_of(path)
+    if not (draft_dir / "config.json").is_file():
         raise FileNotFoundError(
             f"{spec!r} holds no draft: expected config.json in it (a draft directory) or draft/config.json "
             "(a `draftsmith train` run directory). Has the run validated at least once?"
         )
-    config = json.loads((draft_dir / "config.json").read_text())
+    if draft_dir != path:
+        run_dir = path
+    else:
+        run_dir = path.parent if (path.parent / RUN_RECIPE).is_file() else None
+    config = read_draft_config(draft_dir)  # every file whole and parsed, or one error naming it
     return DraftCheckpoint(spec, draft_dir, run_dir, kind_of_config(config), config)

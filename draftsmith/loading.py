@@ -117,6 +117,40 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+MODEL_FIX = "Download or copy the model again (a Hub snapshot: delete it from the Hugging Face cache to fetch it anew)"
+GGUF_MAGIC = b"GGUF"
+
+
+GGUF_FIX = "Download or convert the GGUF again"
+
+
+def read_gguf(path: str | Path, fix: str = GGUF_FIX):
+    """A ``gguf.GGUFReader`` of ``path`` after checking the file is a whole GGUF; a truncated or foreign file
+    is one ``ValueError`` naming it (the reader's own errors, "cannot reshape array", name nothing)."""
+    import struct
+
+    import gguf
+
+    path = Path(path)
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}). {fix}.")
+    size = path.stat().st_size
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, TypeError, struct.error) as err:
+        raise ValueError(
+            f"{path} is cut short or corrupt: its metadata or tensors run past its {size:,} bytes. {fix}."
+        ) from err
+    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise ValueError(
+            f"{path} is cut short: its tensors end at byte {end:,} but it holds {size:,}. {fix}."
+        )
+    return reader
+
+
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file once into a safetensors checkpoint under the cache; return its directory."""
     stat = gguf.stat()
@@ -124,6 +158,7 @@ def convert_gguf(gguf: Path) -> Path:
     out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists():
         return out
+    read_gguf(gguf)  # a truncated file is one line naming it, not a traceback from transformers' loader
     print(f"[draftsmith] converting {gguf.name} to safetensors once (cached in {out}) ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -172,6 +207,8 @@ def load_causal_lm(
     path, name = resolve_model_path(spec)
     if not Path(path).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
         raise FileNotFoundError(f"{spec!r} is neither a local path nor available offline (HF_HUB_OFFLINE=1)")
+    if Path(path).is_dir():
+        files.check_model_files(path, MODEL_FIX)  # a cut-short weight file: one line naming it
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     placement = {}
     if device_map == "device":

@@ -290,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
     from draftsmith.decode.target import load_target
     from draftsmith.decode.tree import TreeSpec
     from draftsmith.drafts import build_drafter
+    from draftsmith.drafts.base import check_draft_files
     from draftsmith.eval.harness import evaluate, use_static_caches
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.eval.report import build_report, format_table, hardware_description, write_report
@@ -299,6 +300,8 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(
         args.prompts, args.limit, categories, args.order
     )  # fail fast, before loading models
+    for spec in args.drafts:
+        check_draft_files(spec)  # a cut-short copy fails here, not after the target has loaded
     target = load_target(args.target, device=args.device, dtype=args.dtype, chat_template=args.chat_template)
     drafts = [(spec, build_drafter(spec, target)) for spec in args.drafts]
     methods = _methods(drafts, args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -77,3 +78,55 @@ def test_stale_temporaries_of_killed_writes_are_found_and_removed(tmp_path):
     removed = files.remove_stale(tmp_path, "draft")
     assert sorted(p.name for p in removed) == [".draft.old-xyz", ".draft.tmp-abc", ".draft.tmp-file"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-1", "draft"]
+
+
+def test_a_safetensors_file_cut_anywhere_or_padded_is_told_apart_from_a_whole_one(tmp_path):
+    import torch
+    from safetensors import safe_open
+
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.arange(6.0), "b": torch.ones(2, 3)}, str(path))
+    whole = path.read_bytes()
+    assert files.safetensors_problem(path) is None
+    for size in (0, 5, 8, 40, len(whole) - 1):  # in the length, the header, the tensors
+        path.write_bytes(whole[:size])
+        assert files.safetensors_problem(path).startswith("cut short"), size
+        with pytest.raises(Exception, match="header"):  # the library's own error, naming no file
+            safe_open(str(path), framework="pt")
+    path.write_bytes(whole + b"\0\0")
+    assert files.safetensors_problem(path).startswith("corrupt")
+    path.write_bytes(b"\xff" * 64)
+    assert files.safetensors_problem(path).startswith("not a safetensors file")
+
+
+def test_malformed_json_names_the_file_line_and_column(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{\n  "hidden_size": 32,\n}\n')
+    with pytest.raises(ValueError) as err:
+        files.read_json(path, "Save the draft again")
+    first, snippet, caret = str(err.value).splitlines()
+    assert first == (
+        f"{path} is not valid JSON: Expecting property name enclosed in double quotes at line 3, column 1. "
+        "Save the draft again."
+    )
+    assert snippet.strip() == "}" and caret.strip() == "^"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON list where an object belongs"):
+        files.read_json(path)
+    assert files.read_json(path, expect_object=False) == [1, 2]
+
+
+def test_a_model_folder_with_a_missing_shard_or_cut_file_is_refused(tmp_path):
+    import torch
+
+    save_file({"a": torch.zeros(4)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors. Fetch it"):
+        files.check_model_files(tmp_path, "Fetch it again")
+    save_file({"b": torch.zeros(4)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    assert files.check_model_files(tmp_path, "Fetch it again") == tmp_path
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    os.truncate(shard, shard.stat().st_size - 4)
+    with pytest.raises(ValueError, match=r"model-00002-of-00002.safetensors is cut short: \d+ bytes of the"):
+        files.check_model_files(tmp_path, "Fetch it again")

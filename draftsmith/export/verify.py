@@ -14,13 +14,15 @@ derived from the exporter, so a mistake in the exporter shows up as a failed che
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from draftsmith import files
+
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+EXPORT_FIX = "Export it again from its checkpoint (`draftsmith export CKPT --to ENGINE --overwrite`)"
 DECODER_INTS = (
     "hidden_size",
     "intermediate_size",
@@ -89,9 +91,9 @@ def _eagle3_expected_shapes(c: dict, engine: str, layer: str = "midlayer.") -> d
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
+    paths = sorted(folder.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in paths:
         with safe_open(str(file), framework="pt") as f:
             tensors.update({name: f.get_tensor(name) for name in f.keys()})
     return tensors
@@ -171,7 +173,7 @@ def _check_vocab_maps(
 
 def verify_eagle3_engine(folder: Path, engine: str) -> list[str]:
     """Problems an EAGLE-3 export for vLLM or SGLang has (empty list = loads as trained)."""
-    config = json.loads((folder / "config.json").read_text())
+    config = files.read_json(folder / "config.json", EXPORT_FIX)
     problems: list[str] = []
     if config.get("architectures") != [EAGLE3_ARCHITECTURE]:
         problems.append(
@@ -256,7 +258,7 @@ def _check_eagle3_tensors(
 
 def verify_speculators(folder: Path) -> list[str]:
     """Problems an ``Eagle3Speculator`` export has for vLLM's speculators reader (configs/speculators)."""
-    config = json.loads((folder / "config.json").read_text())
+    config = files.read_json(folder / "config.json", EXPORT_FIX)
     problems: list[str] = []
     if config.get("speculators_model_type") != "eagle3":
         problems.append(
@@ -332,7 +334,7 @@ def verify_causal_lm(folder: Path, engine: str) -> list[str]:
     """Problems a distilled draft folder has for transformers (``hf``), vLLM or SGLang as a draft model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = json.loads((folder / "config.json").read_text())
+    config = files.read_json(folder / "config.json", EXPORT_FIX)
     problems: list[str] = []
     arch = (config.get("architectures") or [None])[0]
     if not list(folder.glob("*.safetensors")):
@@ -370,12 +372,14 @@ def verify_export(folder: str | Path, engine: str) -> list[str]:
     elif engine == "speculators":
         if not (folder / "config.json").is_file():
             raise ExportVerificationError(f"{folder} has no config.json; it is not an export")
+        files.check_model_files(folder, EXPORT_FIX)
         problems = verify_speculators(folder)
         kind = "EAGLE-3 head (speculators format)"
     else:
         if not (folder / "config.json").is_file():
             raise ExportVerificationError(f"{folder} has no config.json; it is not an export")
-        config = json.loads((folder / "config.json").read_text())
+        files.check_model_files(folder, EXPORT_FIX)  # a cut-short copy: one line naming the file
+        config = files.read_json(folder / "config.json", EXPORT_FIX)
         if config.get("architectures") == [EAGLE3_ARCHITECTURE] or "draftsmith_source" in config:
             if engine == "hf":
                 problems = [
