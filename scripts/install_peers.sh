@@ -8,7 +8,9 @@
 #
 #   bash scripts/install_peers.sh                  # all three
 #   bash scripts/install_peers.sh specforge        # just one (modelopt | specforge | speculators)
+#   bash scripts/install_peers.sh --train          # also what each peer's EAGLE-3 training imports
 #   pytest tests/test_peer_heads.py                # uses the venvs it finds, skips the others
+#   python bench/peer_training.py                  # trains with each peer (needs --train)
 #
 # Needs PyPI and nothing else (no Hub downloads). About a minute per peer.
 set -euo pipefail
@@ -33,6 +35,19 @@ declare -A CHECK=(
   [modelopt]="import modelopt.torch.speculative as mtsp, modelopt.torch.export.plugins.hf_spec_export"
   [specforge]="from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3; import specforge.data.preprocessing"
   [speculators]="from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig; import speculators.train.vocab_mapping"
+)
+
+# --train: what each peer's training path imports beyond its model classes (bench/peers/*_run.py drive
+# it), a separate list and check so the model-class venvs stay as small as they are
+declare -A TRAIN_DEPS=( # found by trying: bench/peers/*_run.py in venvs made without them
+  [modelopt]="accelerate"
+  [specforge]="accelerate"
+  [speculators]="httpx pydantic-settings"
+)
+declare -A TRAIN_CHECK=(
+  [modelopt]="import accelerate, transformers.trainer, modelopt.recipe, modelopt_recipes, modelopt.torch.export"
+  [specforge]="import specforge.cli, specforge.application, specforge.training.trainer, accelerate.utils"
+  [speculators]="import speculators.train.cli, speculators.train.trainer, speculators.train.data"
 )
 
 pip_install() { # quiet on success; pip's own output (less its notes on absent local indexes) on failure
@@ -71,10 +86,33 @@ install_peer() {
   echo "$name: $venv"
 }
 
+install_training() { # after install_peer; idempotent like it (its own marker, its own check)
+  local name=$1 venv="$ROOT/$1"
+  if [ -f "$venv/.draftsmith-train-installed" ] &&
+    [ "$(cat "$venv/.draftsmith-train-installed")" = "${TRAIN_DEPS[$name]}" ] &&
+    "$venv/bin/python" -W ignore -c "${TRAIN_CHECK[$name]}" >/dev/null 2>&1; then
+    echo "$name: training deps (already installed)"
+    return 0
+  fi
+  # shellcheck disable=SC2086  # the dependency list is word-split on purpose
+  pip_install "$venv" ${TRAIN_DEPS[$name]}
+  "$venv/bin/python" -c "import torch; assert not torch.version.cuda, torch.version.cuda" 2>/dev/null ||
+    { echo "install_peers: a training dependency of $name replaced torch with a CUDA build; remove $venv" >&2; exit 1; }
+  "$venv/bin/python" -W ignore -c "${TRAIN_CHECK[$name]}" ||
+    { echo "install_peers: $name's training path does not import" >&2; exit 1; }
+  echo "${TRAIN_DEPS[$name]}" >"$venv/.draftsmith-train-installed"
+  echo "$name: training deps ${TRAIN_DEPS[$name]}"
+}
+
 mkdir -p "$ROOT"
-peers=("$@")
+train=0
+peers=()
+for arg in "$@"; do
+  if [ "$arg" = --train ]; then train=1; else peers+=("$arg"); fi
+done
 [ ${#peers[@]} -gt 0 ] || peers=(modelopt specforge speculators)
 for name in "${peers[@]}"; do
   [ -n "${RELEASE[$name]:-}" ] || { echo "install_peers: unknown peer '$name' (modelopt, specforge, speculators)" >&2; exit 2; }
   install_peer "$name"
+  [ "$train" = 0 ] || install_training "$name"
 done
