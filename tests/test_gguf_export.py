@@ -228,3 +228,33 @@ def test_a_missing_build_names_the_command_that_installs_it(monkeypatch, tmp_pat
     assert not llamacpp.available()
     with pytest.raises(FileNotFoundError, match="bash scripts/install_llamacpp.sh"):
         llamacpp.tool("llama-server")
+
+
+@pytest.mark.parametrize(
+    "keep", [10, 1000, 0.5, -10]
+)  # in the header, the metadata, the tensors, the last one
+def test_a_cut_short_gguf_is_one_line_naming_it_wherever_it_is_read(
+    bpe_target, tmp_path, monkeypatch, capsys, keep
+):
+    import re
+
+    from draftsmith.loading import load_causal_lm
+
+    target, target_gguf = bpe_target
+    data = target_gguf.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: int(len(data) * keep) if isinstance(keep, float) else keep])
+    said = re.escape(f"{cut} is cut short")
+    assert main(["export", str(cut), "--to", "gguf", "--verify"]) == 2
+    assert re.search(said, capsys.readouterr().err)
+    eagle3_head(target, tmp_path / "head", None, 120)
+    capsys.readouterr()  # save_pretrained's progress bar
+    argv = ["export", str(tmp_path / "head"), "--to", "gguf", "--target-gguf", str(cut), "--out", str(tmp_path / "h.gguf")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(said + ".*--target-gguf", err.splitlines()[0])
+    assert not (tmp_path / "h.gguf").exists()
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))  # as a target: converted once, if whole
+    with pytest.raises(ValueError, match=said):
+        load_causal_lm(str(cut), device="cpu")
+    assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").iterdir())

@@ -41,6 +41,7 @@ from draftsmith.export.eagle import (
     engine_layer_ids,
     read_weights,
 )
+from draftsmith.loading import read_gguf
 
 QTYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -59,6 +60,7 @@ LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
 }
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.weight$")
+TARGET_GGUF_FIX = "Pass a whole GGUF of the draft's target with --target-gguf (download or convert it again)"
 
 
 def check_supported(config) -> None:
@@ -119,7 +121,7 @@ def gguf_tensors(weights: dict[str, torch.Tensor], config) -> dict[str, torch.Te
 
 def _source_tokenizer_fields(source: Path, tokens: list[str]) -> list[tuple]:
     """tokenizer.* metadata of ``source`` (a GGUF of the target), after checking it spells ``tokens``."""
-    reader = gguf.GGUFReader(str(source))
+    reader = read_gguf(source, TARGET_GGUF_FIX)
     field = reader.fields.get("tokenizer.ggml.tokens")
     theirs = list(field.contents()) if field is not None else []
     if theirs[: len(tokens)] != tokens or len(theirs) != len(tokens):
@@ -368,7 +370,7 @@ def gguf_fingerprint(reader: gguf.GGUFReader) -> str:
 
 def check_target_gguf(source: Path, target: dict) -> list[tuple]:
     """The tokenizer fields of ``source`` after checking it is a GGUF of the head's target ``target``."""
-    reader = gguf.GGUFReader(str(source))
+    reader = read_gguf(source, TARGET_GGUF_FIX)
     arch = reader.fields["general.architecture"].contents()
     if arch == "eagle3":
         raise ValueError(

@@ -13,6 +13,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from draftsmith.loading import read_gguf
+
 HPARAM_KEYS = (
     "context_length",
     "embedding_length",
@@ -50,7 +52,10 @@ def verify_gguf(path: Path) -> list[str]:
     found = [path] if path.is_file() else sorted(path.glob("*.gguf"))
     if len(found) != 1:
         return [f"expected one .gguf file at {path}, found {len(found)}"]
-    reader = gguf.GGUFReader(str(found[0]))
+    try:
+        reader = read_gguf(found[0], "Export it again")
+    except ValueError as err:
+        return [str(err)]
     fields = reader.fields
     arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
     if arch not in ("llama", "eagle3"):
