@@ -347,3 +347,57 @@ def test_exports_are_readable_by_an_engine_running_as_another_user(eagle_dir, tm
         os.umask(old)
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     assert {stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {0o644}
+
+
+def test_an_earlier_export_is_replaced_only_with_overwrite_and_nothing_else_ever(eagle_dir, tmp_path, capsys):
+    out = tmp_path / "x"
+    argv = ["export", str(eagle_dir), "--to", "vllm", "--out"]
+    assert main([*argv, str(out)]) == 0
+    (out / "notes.txt").write_text("left by the first export")
+    assert main([*argv, str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main([*argv, str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]  # replaced, not merged
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    file = tmp_path / "file"
+    file.write_text("mine")
+    for where, said in ((mine, "holds more than an export"), (file, "is a file"),
+                        (eagle_dir, "the checkpoint"), (eagle_dir.parent, "the checkpoint")):  # fmt: skip
+        assert main([*argv, str(where), "--overwrite"]) == 2
+        assert said in capsys.readouterr().err
+    assert main([*argv, str(file)]) == 2
+    assert file.read_text() == "mine" and (mine / "sub").is_dir() and (eagle_dir / "config.json").is_file()
+
+
+def test_an_export_removes_what_a_killed_export_to_the_same_name_left(eagle_dir, tmp_path):
+    """A real kill -9 mid-export leaves a hidden .x.tmp-* folder; the next export to x removes it."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "x"
+    script = f"""
+import time
+from pathlib import Path
+import draftsmith.export as export
+from draftsmith.draft_checkpoint import locate_checkpoint
+def hang(ckpt, folder):
+    (folder / "model.safetensors").write_bytes(bytes(4096))
+    print("writing", flush=True)
+    time.sleep(120)
+export.copy_draft = hang
+export.export_checkpoint(locate_checkpoint({str(eagle_dir)!r}), "hf", Path({str(out)!r}))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+    finally:
+        proc.kill()
+        proc.wait()
+    (tmp_path / ".y.tmp-1").mkdir()  # another name's: not this export's to remove
+    assert [p.name[:7] for p in tmp_path.iterdir() if p.name.startswith(".x")] == [".x.tmp-"]
+    export_checkpoint(locate_checkpoint(str(eagle_dir)), "hf", out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".y.tmp-1", "x"]

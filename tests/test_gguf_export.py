@@ -258,3 +258,17 @@ def test_a_cut_short_gguf_is_one_line_naming_it_wherever_it_is_read(
     with pytest.raises(ValueError, match=said):
         load_causal_lm(str(cut), device="cpu")
     assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").iterdir())
+
+
+def test_an_existing_gguf_file_is_replaced_only_with_overwrite(draft_dir, tmp_path, capsys):
+    out = tmp_path / "mine.gguf"
+    out.write_bytes(b"my own file")
+    argv = ["export", str(draft_dir.parent), "--to", "gguf", "--gguf-dtype", "f32", "--out", str(out)]
+    assert main(argv) == 2
+    assert "exists; pass a new path, or --overwrite" in capsys.readouterr().err
+    assert out.read_bytes() == b"my own file"
+    left = tmp_path / ".mine.gguf.tmp-abc123"  # what a write killed midway leaves
+    left.write_bytes(b"GGUF half")
+    assert main([*argv, "--overwrite"]) == 0
+    assert out.read_bytes()[:4] == b"GGUF" and verify_export(out, "gguf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.gguf"]

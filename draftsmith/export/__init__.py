@@ -21,7 +21,14 @@ from draftsmith.export.verify import ExportVerificationError, verify_export
 TRAINING_FILES = {"train_state.json", "train_config.yaml"}
 """Files in a draft directory that describe the run, not the model: not part of an engine export."""
 
-__all__ = ["ENGINES", "ExportVerificationError", "export_checkpoint", "import_peer_head", "verify_export"]
+__all__ = [
+    "ENGINES",
+    "ExportVerificationError",
+    "check_out",
+    "export_checkpoint",
+    "import_peer_head",
+    "verify_export",
+]
 
 
 def copy_draft(ckpt: DraftCheckpoint, out: Path) -> None:
@@ -65,6 +72,46 @@ def import_peer_head(ckpt: DraftCheckpoint, target_spec: str | None, workdir: Pa
     return locate_checkpoint(str(out))
 
 
+def holds_an_export(folder: Path) -> bool:
+    """True for a folder an earlier export wrote: files only, with a config.json or only GGUF files."""
+    entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
+    if any(p.is_dir() for p in entries):
+        return False
+    return (folder / "config.json").is_file() or all(p.suffix == ".gguf" for p in entries)
+
+
+def check_out(ckpt: DraftCheckpoint, engine: str, out: Path, overwrite: bool = False) -> None:
+    """Refuse an ``out`` whose writing would replace what the user did not ask to replace: an existing
+    ``.gguf`` file or a non-empty folder without ``overwrite``; with it, anything but an earlier export; and
+    never the checkpoint itself, a folder around it, or a file where a folder goes."""
+    resolved = out.resolve()
+    source = ckpt.draft_dir.resolve()
+    if resolved == source or resolved in source.parents:
+        raise ValueError(f"--out {out} would replace the checkpoint it exports; pass a new folder")
+    again = "pass a new path, or --overwrite to replace it"
+    if engine == "gguf" and out.suffix == ".gguf":
+        if out.is_dir():
+            raise ValueError(f"--out {out} is a folder, not a .gguf file; pass a file path or another folder")
+        if out.exists() and not overwrite:
+            raise FileExistsError(f"--out {out} exists; {again}")
+        return
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(
+            f"--out {out} is a file, and the {engine} export is a folder; pass a folder path"
+        )
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(
+                f"--out {out} exists and is not empty; pass a new folder (exports are never merged), or "
+                "--overwrite to replace an earlier export there"
+            )
+        if not holds_an_export(out):
+            raise ValueError(
+                f"--out {out} holds more than an export (sub-folders, or files besides GGUF and no config.json); "
+                "--overwrite replaces only an earlier export: pass a new folder"
+            )
+
+
 def export_checkpoint(
     ckpt: DraftCheckpoint,
     engine: str,
@@ -72,11 +119,19 @@ def export_checkpoint(
     gguf_dtype: str = "f16",
     target_gguf: str | None = None,
 ) -> Path:
-    """Write ``ckpt`` for ``engine`` under ``out``; return the folder (or GGUF file) written."""
+    """Write ``ckpt`` for ``engine`` under ``out``; return the folder (or GGUF file) written.
+
+    What an export killed midway left beside ``out`` (hidden ``.NAME.tmp-*`` / ``.NAME.old-*`` copies of a
+    whole export) is removed first, as a training run removes its partial checkpoints. ``out`` is replaced
+    whole; the command line checks first that replacing it was asked for (``check_out``).
+    """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     name = (ckpt.run_dir or ckpt.draft_dir).resolve().name
     gguf_file = out if out.suffix == ".gguf" else out / f"{name}-{gguf_dtype}.gguf"
+    files.remove_stale(out.parent, out.name)
+    if gguf_file != out:
+        files.remove_stale(gguf_file.parent, gguf_file.name)
     ckpt.kind.refuse_export(engine)  # the kind's record says which engines take it, and why not the others
     family = ckpt.kind.family
     if engine == "hf":  # draftsmith's own transformers layout, for every kind

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
 from draftsmith.drafts.base import PEER_EAGLE3
-from draftsmith.export import ENGINES, export_checkpoint, import_peer_head
+from draftsmith.export import ENGINES, check_out, export_checkpoint, import_peer_head
 
 DESCRIPTION = """\
 Export a draft checkpoint (a `draftsmith train` run directory, its draft/ directory, or a Hub id) in
@@ -79,6 +79,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "speculators, SafeAILab/EAGLE): the head is read for it and checked against it before export",
     )
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export at --out (a folder holding one, or a .gguf file); never anything else",
+    )
+    p.add_argument(
         "--verify", action="store_true", help="only verify CKPT as an existing --to export; write nothing"
     )
     p.set_defaults(func=run)
@@ -100,8 +105,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     ckpt = locate_checkpoint(args.checkpoint)
     out = Path(args.out) if args.out else default_out(ckpt, args.to)
-    if out.exists() and out.is_dir() and any(out.iterdir()) and out.suffix != ".gguf":
-        raise ValueError(f"--out {out} exists and is not empty; pass a new folder (exports are never merged)")
+    check_out(ckpt, args.to, out, args.overwrite)
     if ckpt.kind.name == PEER_EAGLE3:  # read into draftsmith's layout for its target, exported from there
         with tempfile.TemporaryDirectory() as tmp:
             imported = import_peer_head(ckpt, args.target, Path(tmp))
