@@ -330,3 +330,21 @@ def test_publish_without_a_network_says_so_in_one_line_and_keeps_the_folder(eval
     assert len(err.splitlines()) == 1, err
     assert "could not reach 127.0.0.1:9" in err and "nothing was published" in err and "again" in err
     assert (evaluated / "pub-run" / "README.md").is_file()  # the folder stays ready
+
+
+def test_a_report_that_measured_the_run_folder_is_this_runs_report(evaluated, monkeypatch):
+    """`draftsmith eval --draft RUN` measured RUN/draft (eval reads a run folder so): publish takes its report."""
+    run_eval(evaluated, "run", "run/eval-run", monkeypatch)
+    report = evaluated / "run" / "eval-run"
+    try:
+        ckpt = locate_checkpoint(str(evaluated / "run"))
+        assert find_report(ckpt, str(report)).entry["name"] == "run"
+        monkeypatch.chdir("/")  # found from the report's own --out, not the current directory
+        assert find_report(ckpt).path == (report / "report.json").resolve()  # the newest, without --report
+        assert publish(evaluated, "run", "--report", str(report), "--dry-run") == 0
+        with pytest.raises(
+            ValueError, match="none of which"
+        ):  # another checkpoint still is not measured by it
+            find_report(locate_checkpoint(str(evaluated / "small")), str(report))
+    finally:
+        shutil.rmtree(report)

@@ -4,18 +4,19 @@ Which eval report belongs to a checkpoint (``find_report``): ``--report PATH`` w
 ``report.json`` under the run directory (and the draft directory) whose drafts include this
 checkpoint, newest first. A draft entry matches when its name, resolved against the directory
 ``draftsmith eval`` ran in (recovered from the report's ``settings.out``) or the current one, is the
-checkpoint's draft directory.
+checkpoint's draft directory, or a run directory holding it (``--draft RUN``, as eval reads it).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from draftsmith.draft_checkpoint import DraftCheckpoint
+from draftsmith.drafts.base import draft_dir_of
+from draftsmith.files import read_json
 from draftsmith.hub import HUB_ID, KNOWN_TARGETS, hub_id_of_target
 
 
@@ -45,7 +46,7 @@ def _matching_entry(report_file: Path, report: dict, draft_dir: Path) -> dict | 
     for entry in report.get("drafts") or []:
         name = Path(str(entry.get("name", "")))
         candidates = [name] if name.is_absolute() else [base / name for base in bases]
-        if any(c.exists() and c.resolve() == want for c in candidates):
+        if any(c.exists() and draft_dir_of(c).resolve() == want for c in candidates):  # a run dir: its draft
             return entry
     return None
 
@@ -58,7 +59,7 @@ def find_report(ckpt: DraftCheckpoint, report: str | None = None) -> EvalReport 
             raise FileNotFoundError(
                 f"--report {report}: no report.json there (run `draftsmith eval --out DIR` first)"
             )
-        data = json.loads(file.read_text())
+        data = read_json(file, "Pass the report.json `draftsmith eval --out DIR` wrote")
         entry = _matching_entry(file, data, ckpt.draft_dir)
         if entry is None:
             names = [d.get("name") for d in data.get("drafts") or []]
@@ -73,8 +74,8 @@ def find_report(ckpt: DraftCheckpoint, report: str | None = None) -> EvalReport 
     files = {f for root in roots for pattern in patterns for f in root.glob(pattern)}
     for file in sorted(files, key=lambda f: f.stat().st_mtime, reverse=True):
         try:
-            data = json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError):
+            data = read_json(file)
+        except (OSError, ValueError):  # not a report, or a broken one: only an explicit --report is an error
             continue
         entry = _matching_entry(file, data, ckpt.draft_dir)
         if entry is not None:
