@@ -300,3 +300,38 @@ def check_model_files(directory: str | Path, fix: str) -> Path:
         if problem:
             raise ValueError(f"{path} is {problem}. {fix}.")
     return directory
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """What is wrong with a ``torch.save`` file (a Lightning ``.ckpt``), or None if it reads as whole.
+
+    ``torch.save`` writes a zip archive whose directory sits at its end, so a copy cut short has none;
+    torch then says "failed finding central directory" and names no file. Only the directory and the
+    member extents are read here, not the bytes (a checkpoint may be gigabytes). A folder (DeepSpeed's
+    checkpoints) is not checked.
+    """
+    import zipfile
+
+    path = Path(path)
+    if path.is_dir():
+        return None
+    size = path.stat().st_size
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.infolist()
+    except zipfile.BadZipFile:
+        return (
+            f"cut short or corrupt: its {size:,} bytes hold no archive directory (torch.save writes it last)"
+        )
+    end = max((m.header_offset + m.compress_size for m in members), default=0)
+    if not members or end > size:
+        return f"corrupt: its archive directory lists data up to byte {end:,} of {size:,}"
+    return None
+
+
+def check_checkpoint(path: str | Path, fix: str) -> Path:
+    """Refuse a damaged ``.ckpt`` before a run resumes from it: one ``ValueError`` naming it and ``fix``."""
+    problem = checkpoint_problem(path)
+    if problem:
+        raise ValueError(f"{path} is {problem}. {fix}.")
+    return Path(path)

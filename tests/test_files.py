@@ -130,3 +130,19 @@ def test_a_model_folder_with_a_missing_shard_or_cut_file_is_refused(tmp_path):
     os.truncate(shard, shard.stat().st_size - 4)
     with pytest.raises(ValueError, match=r"model-00002-of-00002.safetensors is cut short: \d+ bytes of the"):
         files.check_model_files(tmp_path, "Fetch it again")
+
+
+def test_a_checkpoint_cut_short_anywhere_is_refused_by_name(tmp_path):
+    import torch
+
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.arange(4000.0)}, "global_step": 3}, path)
+    whole = path.read_bytes()
+    assert files.checkpoint_problem(path) is None and files.check_checkpoint(path, "Resume anew") == path
+    for size in (0, 100, len(whole) // 2, len(whole) - 30):
+        path.write_bytes(whole[:size])
+        with pytest.raises(Exception) as raw:
+            torch.load(path, weights_only=True)
+        assert str(path) not in str(raw.value)  # torch's own error does not say which file
+        with pytest.raises(ValueError, match=f"{path} is cut short or corrupt: .* Resume anew."):
+            files.check_checkpoint(path, "Resume anew")
