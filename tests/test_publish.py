@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import huggingface_hub
 import pytest
@@ -348,3 +349,12 @@ def test_a_report_that_measured_the_run_folder_is_this_runs_report(evaluated, mo
             find_report(locate_checkpoint(str(evaluated / "small")), str(report))
     finally:
         shutil.rmtree(report)
+
+
+def test_a_publish_removes_what_a_killed_build_of_its_folder_left(evaluated):
+    import tempfile
+
+    left = Path(tempfile.mkdtemp(dir=evaluated, prefix=".pub-run.tmp-"))  # the name a build is made under
+    (left / "model.safetensors").write_bytes(bytes(1024))
+    assert publish(evaluated, "run", "--dry-run") == 0
+    assert not left.exists() and (evaluated / "pub-run" / "README.md").is_file()

@@ -164,6 +164,7 @@ def build_folder(
         (tmp / "README.md").write_text(card)
         check_no_token(tmp)
 
+    files.remove_stale(out.parent, out.name)  # what a publish killed while building left beside it
     files.replace_dir(out, fill)
     return out
 
