@@ -134,6 +134,8 @@ def stage_data(work: Path, tokens: int) -> dict:
         "target_path": resolve_model_path(TARGET)[0],
         "tokens_asked": tokens,
         "draftsmith_steps": steps,
+        "train_rows_available": len(train_ds),
+        "passes": steps * t.batch_size / len(train_ds),
         "batch_size": t.batch_size,
         "max_length": config.data.max_length,
         "train": token_counts(train),
@@ -383,8 +385,9 @@ def throughput(run: dict, budget: dict) -> dict:
     """Tokens/s over the whole run and in steady state (from the end of step 2, or of step 1 when a run
     has fewer than 8 steps, to the end of the last).
 
-    Steady state counts the mean tokens of a step (all training positions / steps taken), since a
-    peer batches the conversations in its own order.
+    Steady state counts the tokens of those steps where the driver recorded them (``step_tokens``), else
+    the mean tokens of a step (all training positions / steps taken), since a peer batches the
+    conversations in its own order.
     """
     positions, loss_tokens = budget["train"]["positions"], budget["train"]["loss_tokens"]
     out = {
@@ -395,12 +398,13 @@ def throughput(run: dict, budget: dict) -> dict:
     marks = run.get("step_marks") or []  # [(wall, cpu)] at the end of each optimizer step
     skip = 2 if len(marks) >= 8 else 1
     if len(marks) > skip + 1:
-        per_step = positions / len(marks)
         steps = len(marks) - 1 - skip
+        counted = run.get("step_tokens") or []
+        tokens = sum(counted[skip + 1 :]) if len(counted) == len(marks) else positions / len(marks) * steps
         wall = marks[-1][0] - marks[skip][0]
         cpu = marks[-1][1] - marks[skip][1]
-        out["steady_tokens_per_wall_s"] = per_step * steps / wall
-        out["steady_tokens_per_cpu_s"] = per_step * steps / cpu if cpu else None
+        out["steady_tokens_per_wall_s"] = tokens / wall
+        out["steady_tokens_per_cpu_s"] = tokens / cpu if cpu else None
         out["steady_s_per_step"] = wall / steps
     return out
 

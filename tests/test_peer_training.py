@@ -76,6 +76,9 @@ def test_throughput_counts_steady_state_between_step_marks():
     # 200 positions a step; with fewer than 8 steps, steps 2-5 count: 600 positions in 4 s wall, 8 s CPU
     assert rates["steady_tokens_per_wall_s"] == pytest.approx(150.0)
     assert rates["steady_tokens_per_cpu_s"] == pytest.approx(75.0)
+    counted = {"wall_s": 20.0, "cpu_s": 40.0, "step_marks": marks, "step_tokens": [500, 100, 100, 100, 200]}
+    steady = peer_training.throughput(counted, budget)["steady_tokens_per_wall_s"]
+    assert steady == pytest.approx(100.0)  # the counted tokens of steps 3-5 (400) in 4 s
     eight = [(float(i), 2.0 * i) for i in range(8)]  # from 8 steps on, the first two are left out
     assert peer_training.throughput({"wall_s": 8.0, "cpu_s": 16.0, "step_marks": eight}, budget)[
         "steady_s_per_step"

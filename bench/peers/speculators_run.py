@@ -17,6 +17,8 @@ speculators' own pipeline, and why:
   is a no-op without an accelerator (the step timer calls it unconditionally).
 - CPU flags: ``--loss-implementation eager --draft-attn-impl sdpa --num-workers 0`` (the fused loss
   and flex attention need a GPU; no workers so its CPU time is this process's).
+- Its packed steps hold different numbers of tokens, so the collator's output is counted per step
+  (a wrapper around ``CollateFn.__call__``) for the steady-state rate.
 - One epoch (its default is 20) so it trains on the bench's token budget; the bench's draft
   vocabulary and TTT depth. Everything else is speculators' default: Muon with AdamW for the rest,
   lr 1e-3, linear schedule, conversations packed into 8,192-token steps, its EAGLE-3 variant
@@ -27,6 +29,7 @@ speculators' own pipeline, and why:
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import torch
@@ -45,20 +48,38 @@ def patch_trainer_for_cpu() -> None:
     )
 
 
+def count_step_tokens() -> list[int]:
+    """Real (non-padding) positions of every batch speculators' collator packs, in order (training first)."""
+    from speculators.train import data
+
+    counts: list[int] = []
+    collate = data.CollateFn.__call__
+
+    def counting(self, batch):
+        out = collate(self, batch)
+        counts.append(int((out["document_ids"] >= 0).sum()))
+        return out
+
+    data.CollateFn.__call__ = counting
+    return counts
+
+
 def main() -> int:
     args, budget = driver_args()
     data = args.work / "speculators"
     split = json.loads((data / "split.json").read_text())
     patch_trainer_for_cpu()
     marks = record_steps()
+    step_tokens = count_step_tokens()
     save = args.out / "checkpoints"
+    shutil.rmtree(save, ignore_errors=True)  # a fresh run, as every run of the bench is
     argv = ["--speculator-type", "eagle3", "--verifier-name-or-path", budget["target_path"],
             "--data-path", str(data), "--on-missing", "raise",
             "--train-data-ratio", str((split["train"] + 0.5) / (split["train"] + split["heldout"])),
             "--draft-vocab-size", str(budget["draft_vocab_size"]), "--ttt-steps", str(budget["ttt_steps"]),
             "--num-layers", str(budget["num_layers"]), "--epochs", "1",
             "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers", "0",
-            "--save-path", str(save), "--log-dir", str(args.out / "logs")]  # fmt: skip
+            "--save-path", str(save), "--no-resume-from-checkpoint", "--log-dir", str(args.out / "logs")]  # fmt: skip
     from speculators.train.cli import main as speculators_train
     from speculators.train.config import TrainConfig
 
@@ -68,7 +89,9 @@ def main() -> int:
     heldout = json.loads(
         (head / "val_metrics.json").read_text()
     )  # its validation: the held-out conversations
-    write_result(args.out, marks, head, heldout=heldout, steps=len(marks))
+    write_result(
+        args.out, marks, head, heldout=heldout, steps=len(marks), step_tokens=step_tokens[: len(marks)]
+    )
     return 0
 
 
