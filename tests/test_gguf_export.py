@@ -246,7 +246,7 @@ def test_a_cut_short_gguf_is_one_line_naming_it_wherever_it_is_read(
     cut.write_bytes(data[: int(len(data) * keep) if isinstance(keep, float) else keep])
     said = re.escape(f"{cut} is cut short")
     assert main(["export", str(cut), "--to", "gguf", "--verify"]) == 2
-    assert re.search(said, capsys.readouterr().err)
+    assert re.match("draftsmith export: error: " + said, capsys.readouterr().err)
     eagle3_head(target, tmp_path / "head", None, 120)
     capsys.readouterr()  # save_pretrained's progress bar
     argv = ["export", str(tmp_path / "head"), "--to", "gguf", "--target-gguf", str(cut), "--out", str(tmp_path / "h.gguf")]  # fmt: skip

@@ -52,10 +52,7 @@ def verify_gguf(path: Path) -> list[str]:
     found = [path] if path.is_file() else sorted(path.glob("*.gguf"))
     if len(found) != 1:
         return [f"expected one .gguf file at {path}, found {len(found)}"]
-    try:
-        reader = read_gguf(found[0], "Export it again")
-    except ValueError as err:
-        return [str(err)]
+    reader = read_gguf(found[0], "Export it again")  # a cut-short file: one line naming it
     fields = reader.fields
     arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
     if arch not in ("llama", "eagle3"):
