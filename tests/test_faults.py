@@ -171,3 +171,22 @@ def test_the_command_line_prints_a_full_disk_in_one_line(monkeypatch, tmp_path, 
     assert capsys.readouterr().err.strip() == (
         "draftsmith train: error: No space left on device while writing into x; resume with y"
     )
+
+
+def test_a_cut_short_checkpoint_is_named_before_the_target_loads(
+    tiny_target_dir,
+    uniform_conversations,
+    tmp_path,  # noqa: F811
+):
+    from test_loop import make_config
+
+    from draftsmith.train.loop import train
+
+    out = tmp_path / "run"
+    proc = run_worker(tiny_target_dir, uniform_conversations, out, *RUN, "--trainer.max_steps=3", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = last_checkpoint(out)
+    ckpt.write_bytes(ckpt.read_bytes()[: ckpt.stat().st_size // 2])  # a copy cut short
+    config = make_config(tiny_target_dir, uniform_conversations, out, *RUN)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(ckpt))} is cut short or corrupt.*Copy it again"):
+        train(config, resume=True, target="never loaded", enable_progress_bar=False)

@@ -59,6 +59,10 @@ def preflight(config: TrainConfig, resume: bool, overwrite: bool, force_resume: 
         raise FileNotFoundError(
             f"--resume: no checkpoint at {output_dir / CHECKPOINT_DIR / LAST}; run without --resume"
         )
+    if resume:  # written whole and renamed into place: a damaged one was cut short by a copy or a move
+        files.check_checkpoint(
+            ckpt, "Copy it again from where it came, or start the run anew in another --output.dir"
+        )
     if not resume and ckpt is not None:
         raise ValueError(
             f"{output_dir} already holds a run ({ckpt}); pass --resume to continue it, "
