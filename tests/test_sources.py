@@ -197,7 +197,8 @@ def test_prompts_for_eval_come_from_a_file_or_the_builtin_set():
 
 
 def test_nothing_shipped_or_tested_names_the_data_folder_beside_the_checkout():
-    """The product stands on its own: no code, recipe, test, script or doc of it reads ../shared."""
+    """The product stands on its own: no code, recipe, test, script or doc of it reads the data folder
+    beside the checkout."""
     needle = "/".join(["..", "shared"])
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True)
     history = {"BENCHMARKS.md"}  # past commands, recorded as they were run
