@@ -136,7 +136,7 @@ def main() -> None:
         "eval", "--target", "smollm2-135m-instruct", *[a for d in drafts for a in ("--draft", d)],
         "--prompts", "builtin:dev_prompts", "--order", "round-robin",
         "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens), "--k", str(args.k),
-        "--out", str(eval_dir),
+        "--out", str(eval_dir), "--overwrite",
     )  # fmt: skip
 
     report = json.loads((eval_dir / "report.json").read_text())

@@ -425,7 +425,7 @@ def stage_eval(work: Path, results: dict, limit: int, max_new_tokens: int) -> di
         out = work / "eval" / f"k{k}"
         cmd = [sys.executable, "-m", "draftsmith.cli", "eval", "--target", TARGET, "--prompts", "builtin:dev_prompts",
                "--order", "round-robin", "--limit", str(limit), "--max-new-tokens", str(max_new_tokens), "--k", k,
-               "--out", str(out)]  # fmt: skip
+               "--out", str(out), "--overwrite"]  # fmt: skip
         for head in heads.values():
             cmd += ["--draft", str(head)]
         timed = run_timed(cmd, work / "eval" / f"k{k}.log")

@@ -10,7 +10,7 @@
    (never trained on).
 
 The data ships with draftsmith (``draftsmith data list``); --data trains on your own files or a Hub
-dataset instead. --smoke runs the same path in seconds (a few steps, two prompts): a check that the
+dataset instead. --smoke runs the same path in a minute or two (a few steps, two prompts): a check that the
 installation works, not a head. Every step is resumable: rerun the command after an interruption and
 finished steps are skipped.
 """
@@ -62,8 +62,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--smoke",
         action="store_true",
-        help="the same path in seconds: 3 training steps on short rows, 2 prompts of 16 tokens (a check "
-        "of the installation, not a head)",
+        help="the same path in a minute or two: 3 training steps on short rows, 2 prompts of 16 tokens (a "
+        "check of the installation, not a head)",
     )
     p.add_argument(
         "--regenerate",
@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     step(
         "2/2 evaluate on held-out dev prompts: the head and n-gram lookup vs the target alone",
         ["eval", *target, "--draft", str(run_dir / "draft"), "--draft", "ngram",
-         "--prompts", args.prompts, "--order", "round-robin", *eval_size, "--out", str(eval_dir)],
+         "--prompts", args.prompts, "--order", "round-robin", *eval_size, "--out", str(eval_dir),
+         "--overwrite"],
     )  # fmt: skip
     print(
         f"\n[quickstart] done.\n  draft checkpoint: {run_dir / 'draft'}\n"

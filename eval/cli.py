@@ -204,6 +204,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--out", required=True, metavar="DIR", help="folder for report.json and report.md (created)"
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the reports an earlier eval left in --out (without it, such a folder is refused)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -250,7 +255,14 @@ def _check(args: argparse.Namespace) -> list[str] | None:
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out} exists and is not a directory; pass a directory for the reports")
     from draftsmith import files
+    from draftsmith.eval.report import REPORT_FILES
 
+    earlier = [name for name in REPORT_FILES if (Path(args.out) / name).exists()]
+    if earlier and not args.overwrite:
+        raise FileExistsError(
+            f"--out {args.out} already holds {', '.join(earlier)} of an earlier eval; pass --overwrite to "
+            "replace them, or another --out"
+        )
     files.check_writable(args.out, "--out")  # before any model loads: the report is written last
     if args.categories is None:
         return None

@@ -13,6 +13,7 @@ import torch
 from draftsmith import files
 from draftsmith.decode.mirror import PARTS
 from draftsmith.eval.harness import BASELINE, EvalResult, MethodResult
+from draftsmith.eval.plots import PLOT_NAME
 from draftsmith.eval.stats import RunStats, SpeedupBound
 
 METRICS = """\
@@ -404,6 +405,10 @@ def write_json(path: str | Path, result: dict) -> Path:
     return Path(path)
 
 
+REPORT_FILES = ("report.json", "report.md", PLOT_NAME)
+"""What ``write_report`` writes into its folder."""
+
+
 def write_report(report: dict, out_dir: str | Path) -> list[Path]:
     """Write out_dir/report.json, report.md and the acceptance plot (other files in out_dir are left alone)."""
     out = Path(out_dir)
@@ -417,6 +422,6 @@ def write_report(report: dict, out_dir: str | Path) -> list[Path]:
     files.write_text(md_path, format_markdown(report))
     if not report["drafts"]:
         return [json_path, md_path]
-    from draftsmith.eval.plots import PLOT_NAME, plot_report
+    from draftsmith.eval.plots import plot_report
 
     return [json_path, md_path, plot_report(report, out / PLOT_NAME)]

@@ -246,3 +246,18 @@ def test_compare_outputs_flags_mismatches():
     compare_outputs(base, draft, prompts)
     assert draft.exact_match is False and draft.mismatched_prompts == ["b"]
     assert draft.category_exact == {"x": True, "y": False}
+
+
+def test_an_earlier_report_is_replaced_only_with_overwrite(model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "report.json").write_text('{"mine": true}\n')
+    (out / "notes.txt").write_text("kept\n")
+    argv = ["eval", "--target", str(model_dir), "--draft", "ngram", "--prompts", str(prompts_file)]
+    argv += ["--max-new-tokens", "8", "--warmup", "0", "--out", str(out)]
+    assert main(argv) == 2
+    assert "already holds report.json of an earlier eval; pass --overwrite" in capsys.readouterr().err
+    assert json.loads((out / "report.json").read_text()) == {"mine": True}
+    assert main([*argv, "--overwrite"]) == 0
+    assert "drafts" in json.loads((out / "report.json").read_text())
+    assert (out / "notes.txt").read_text() == "kept\n"  # other files in the folder are left alone
