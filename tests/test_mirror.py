@@ -298,7 +298,9 @@ def test_a_mirror_draft_trains_in_the_loop_and_eval_reports_it(tmp_path, capsys)
     assert m["modelled_speedup"] > 0 and m["channel_latency_ms"] == 0.1
     # the modelled figure has its own table, never the measured speedup's column
     assert "modelled_speedup is a MODEL" in table and "modelled_speedup" in (out / "report.md").read_text()
-    assert main([*argv[:3], "--draft", "ngram", *argv[7:]]) == 2  # --mirror-kappa without a mirror draft
+    assert (
+        main([*argv[:3], "--draft", "ngram", *argv[7:], "--overwrite"]) == 2
+    )  # --mirror-kappa, no mirror draft
     assert "no --draft is a mirror draft" in capsys.readouterr().err
 
 

@@ -444,7 +444,7 @@ def test_eval_cli_with_tree(tmp_path, capsys):
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["settings"]["tree"] == "3,2,6" and report["drafts"][0]["exact_match"] is True
     capsys.readouterr()
-    assert main([*argv, "--draft", "layers:2", "--tree", "3,2,6"]) != 0
+    assert main([*argv, "--overwrite", "--draft", "layers:2", "--tree", "3,2,6"]) != 0
     assert "layers:2 draft chains only" in capsys.readouterr().err
     assert main([*argv, "--draft", "ngram", "--tree", "3,2,auto", "--out", str(tmp_path / "auto")]) == 0
     auto = json.loads((tmp_path / "auto" / "report.json").read_text())["drafts"][0]
