@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import time
 from pathlib import Path
 
@@ -34,13 +33,11 @@ from draftsmith.drafts import build_drafter
 from draftsmith.eval.harness import evaluate
 from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description, write_json
-from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.export import export_checkpoint
 from draftsmith.export.gguf import write_gguf
 from draftsmith.loading import resolve_model_path, smollm2_gguf_path
 
 TARGET = "smollm2-135m-instruct"
-ACCEPTED = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
 
 
 def exports(args) -> dict[str, Path]:
@@ -58,72 +55,19 @@ def exports(args) -> dict[str, Path]:
     return files
 
 
-def server_args(draft: str | None, files: dict[str, Path], k: int) -> list[str]:
-    common = ["-c", "4096", "--spec-draft-n-max", str(k), "--spec-draft-p-min", "0", "--log-colors", "off"]
-    if draft is None:
-        return ["-c", "4096", "--log-colors", "off"]
-    if draft == "ngram":
-        return [*common, "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
-                "--spec-ngram-simple-size-m", str(k), "--spec-ngram-simple-min-hits", "1"]  # fmt: skip
-    kind = "draft-eagle3" if draft == "eagle3" else "draft-simple"
-    return [*common, "--spec-type", kind, "--spec-draft-model", str(files[draft])]
-
-
-@dataclasses.dataclass
-class EngineRun:
-    """One llama-server setting over the prompts."""
-
-    name: str
-    server: llamacpp.Server
-    log: Path
-    outputs: list[list[int]] = dataclasses.field(default_factory=list)
-    accepted: list[int] = dataclasses.field(default_factory=list)
-    proposed: list[int] = dataclasses.field(default_factory=list)
-    tokens: int = 0
-    seconds: float = 0.0
-
-    def complete(self, ids: list[int], max_new: int, timed: bool = True) -> None:
-        offset = self.log.stat().st_size
-        out = self.server.complete(ids, max_new)
-        if not timed:
-            return
-        steps = [
-            tuple(map(int, m))
-            for m in ACCEPTED.findall(self.log.read_bytes()[offset:].decode(errors="replace"))
-        ]
-        n = len(out["tokens"])
-        plain = n - 1 - sum(a + 1 for a, _ in steps)  # the first token comes from the prompt pass
-        self.accepted += [a for a, _ in steps] + [0] * plain
-        self.proposed += [p for _, p in steps] + [0] * plain
-        self.outputs.append(out["tokens"])
-        self.tokens += n
-        self.seconds += (out["timings"]["prompt_ms"] + out["timings"]["predicted_ms"]) / 1000
-
-    def summary(self, alone: EngineRun | None) -> dict:
-        stats = AcceptanceStats.from_lists(self.accepted, self.proposed)
-        row = {"tokens": self.tokens, "seconds": self.seconds, "tokens_per_s": self.tokens / self.seconds}
-        if alone is not None and alone is not self:
-            row |= {
-                "tau": stats.tau,
-                "alpha": stats.alpha,
-                "per_position": stats.per_position,
-                "speedup": row["tokens_per_s"] / (alone.tokens / alone.seconds),
-                "exact_match": self.outputs == alone.outputs,
-            }
-        return row
-
-
 def run_llamacpp(args, files, prompt_ids) -> dict[str, dict]:
     drafts = [None, "ngram", *(d for d in ("small", "eagle3") if d in files)]
-    runs: list[EngineRun] = []
+    runs: list[llamacpp.SpeculativeRun] = []
     work = Path(args.work)
     try:
         for target in args.targets:
             for draft in drafts:
                 name = f"{target}:{draft or 'alone'}"
                 log = work / f"server-{name.replace(':', '-')}.log"
-                server = llamacpp.Server(files[target], server_args(draft, files, args.k), args.threads, log)
-                runs.append(EngineRun(name, server.__enter__(), log))
+                kind = "draft" if draft == "small" else draft
+                flags = llamacpp.speculative_args(kind, args.k, files.get(draft))
+                server = llamacpp.Server(files[target], flags, args.threads, log)
+                runs.append(llamacpp.SpeculativeRun(name, server.__enter__(), log))
         for run in runs:  # untimed warm-up
             run.complete(prompt_ids[0], min(32, args.max_new_tokens), timed=False)
         for i, ids in enumerate(prompt_ids):
