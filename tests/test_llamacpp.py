@@ -92,12 +92,45 @@ def test_llamacpp_scores_the_small_draft_as_transformers_does(tiny):
     assert compared >= n // 2
 
 
-def make_head(target, directory, capture, draft_vocab):
+def test_speculative_run_counts_what_llamacpp_accepted(tiny):
+    """The target drafting for itself (its own GGUF as the draft model): every proposal is accepted, the
+    outputs are the target alone's, and the steps account for every token made."""
+    prompt = tiny["target"].tokenizer(TEXTS[1], add_special_tokens=False).input_ids
+    root, n = tiny["root"], 24
+    with (
+        llamacpp.Server(tiny["target_gguf"], llamacpp.speculative_args(None, K), log=root / "alone.log") as a,
+        llamacpp.Server(
+            tiny["target_gguf"], llamacpp.speculative_args("draft", K, tiny["target_gguf"]), log=root / "self.log"
+        ) as s,
+    ):
+        alone = llamacpp.SpeculativeRun("alone", a, root / "alone.log")
+        itself = llamacpp.SpeculativeRun("self", s, root / "self.log")
+        for run in (alone, itself):
+            run.complete(prompt, n)
+    row = itself.summary(alone)
+    assert row["exact_match"] and itself.tokens == n
+    assert sum(p > 0 for p in itself.proposed) >= 2
+    assert itself.accepted == itself.proposed  # the same model proposes what it then verifies
+    assert sum(a + 1 for a in itself.accepted) == n - 1  # every token after the prompt pass's first
+    assert row["tau"] > 2
+
+
+def make_head(target, directory, capture, draft_vocab, **variants):
+    """A random head; ``variants`` (``norm_before_residual``, ``norm_before_fc``: the EAGLE-3 variants other
+    pipelines train, which llama.cpp's graph also has) get norm weights far from 1, so an export that
+    ignored or misplaced them drafts otherwise."""
     torch.manual_seed(0)
     config = EagleConfig.for_target(target, draft_vocab_size=draft_vocab, capture_layer_ids=capture)
+    for key, value in variants.items():
+        setattr(config, key, value)
     head = EagleHead(config)
     head.set_vocab_map(*build_vocab_map(torch.rand(target.vocab_size), config.draft_vocab_size))
     head.init_from_target(target.model)
+    if variants:
+        with torch.no_grad():
+            for name, weight in head.named_parameters():
+                if "norm" in name:
+                    weight.copy_(torch.rand_like(weight) * 3 + 0.1)
     head.save_pretrained(directory)
     return head.eval()
 
@@ -158,11 +191,20 @@ def check_chain(theirs: list[dict[int, float]], ours: list[torch.Tensor]) -> Non
         assert probs[picked] >= probs.max() - 2e-3, f"position {pos}: llama.cpp drafted {picked}"
 
 
-@pytest.mark.parametrize(("capture", "draft_vocab"), [([5, 1, 3], 120), ([1, 3, 5], None)])
-def test_llamacpp_drafts_with_the_eagle3_head_what_draftsmith_drafts(tiny, capture, draft_vocab, tmp_path):
+VARIANTS = {"norm_before_residual": True, "norm_before_fc": True}
+
+
+@pytest.mark.parametrize(
+    ("capture", "draft_vocab", "variants"),
+    [([5, 1, 3], 120, {}), ([1, 3, 5], None, {}), ([5, 1, 3], 120, VARIANTS)],
+    ids=["unordered-layers", "full-vocab", "norm-variants"],
+)
+def test_llamacpp_drafts_with_the_eagle3_head_what_draftsmith_drafts(
+    tiny, capture, draft_vocab, variants, tmp_path
+):
     target = tiny["target"]
     head_dir = tmp_path / "head" / "draft"
-    head = make_head(target, head_dir, capture, draft_vocab or target.vocab_size)
+    head = make_head(target, head_dir, capture, draft_vocab or target.vocab_size, **variants)
     gguf_file = export_checkpoint(
         locate_checkpoint(str(head_dir)), "gguf", tmp_path / "head.gguf", "f32", str(tiny["target_gguf"])
     )

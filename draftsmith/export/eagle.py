@@ -55,7 +55,15 @@ LAST_LAYER_CAPTURED = {"vllm", "speculators"}
 N (after its layer loop). SGLang captures only layer inputs, and llama.cpp's Llama graph exports layer
 inputs only (id N asks for an embedding a Llama target never sets)."""
 VARIANT_FIELDS = ("norm_before_residual", "norm_before_fc", "norm_output", "feature_input_norm")
-"""EagleConfig options of heads from other pipelines (drafts/eagle_import.py) no export layout here carries."""
+"""EagleConfig options of heads from other pipelines (drafts/eagle_import.py)."""
+VARIANTS_CARRIED = {"gguf": ("norm_before_residual", "norm_before_fc")}
+"""The variants an engine's layout carries: llama.cpp's eagle3 graph reads ``eagle3.norm_before_residual``
+and ``eagle3.norm_before_fc`` (with ``enc.output_norm.weight``). The others are refused for every engine."""
+VARIANT_REASONS = {
+    "norm_output": "llama.cpp feeds the pre-norm state back to the next draft step, this head the normed one",
+    "feature_input_norm": "llama.cpp norms the fused feature with hidden_norm alone, this head with "
+    "input_layernorm first",
+}
 ENGINE_NAMES = {
     "vllm": "vLLM",
     "speculators": "vLLM (speculators format)",
@@ -124,12 +132,14 @@ def check_exportable(config: dict, engine: str) -> None:
         )
     if config.get("lm_head_is_embedding") or config.get("logit_softcap"):
         raise ValueError("EAGLE-3 heads exported to engines need their own LM head and no logit softcap")
-    variants = [key for key in VARIANT_FIELDS if config.get(key)]
+    carried = VARIANTS_CARRIED.get(engine, ())
+    variants = [key for key in VARIANT_FIELDS if config.get(key) and key not in carried]
     if variants:
+        why = "".join(f"; {key}: {VARIANT_REASONS[key]}" for key in variants if key in VARIANT_REASONS)
         raise ValueError(
             f"the head was imported from another pipeline and uses {', '.join(variants)}: variants of EAGLE-3 "
-            f"the {name} layout draftsmith writes does not express (it would run another function). Evaluate it "
-            "with `draftsmith eval`, or export it with the pipeline that trained it."
+            f"the {name} layout draftsmith writes does not express (it would run another function{why}). "
+            "Evaluate it with `draftsmith eval`, or export it with the pipeline that trained it."
         )
 
 

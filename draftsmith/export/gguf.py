@@ -350,6 +350,9 @@ def eagle3_tensors(weights: dict[str, torch.Tensor], config: dict) -> dict[str, 
     out["blk.0.attn_k.weight"] = permute_rows(out["blk.0.attn_k.weight"], config["num_key_value_heads"])
     if config["draft_vocab_size"] != config["vocab_size"]:
         out["d2t"] = reference["d2t"].long()
+    if config.get("norm_before_fc"):  # one RMSNorm over the concatenated states, its blocks ordered as fc's
+        _, norm = ascending_capture(config["capture_layer_ids"], weights["fuse_norm.weight"][None, :])
+        out["enc.output_norm.weight"] = norm[0].float()
     return out
 
 
@@ -417,7 +420,10 @@ def write_eagle3_gguf(config: dict, weights: dict[str, torch.Tensor], out_file: 
         _add_decoder_hparams(writer, hparams, dtype)
         writer.add_array("eagle3.target_layers", layer_ids)  # llama.cpp LLM_KV_TARGET_LAYERS
         writer.add_uint32("eagle3.target_hidden_size", config["target"]["hidden_size"])
-        writer.add_bool("eagle3.norm_before_residual", False)  # the residual is the fused feature itself
+        # the first layer's residual: the fused feature itself, or (a variant) hidden_norm of it
+        writer.add_bool("eagle3.norm_before_residual", bool(config.get("norm_before_residual")))
+        if config.get("norm_before_fc"):
+            writer.add_bool("eagle3.norm_before_fc", True)
         _copy_fields(writer, tokenizer_fields)
         for tensor_name, tensor in tensors.items():
             if tensor_name == "d2t":

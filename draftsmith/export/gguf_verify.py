@@ -102,6 +102,8 @@ def verify_gguf(path: Path) -> list[str]:
         if d2t is not None:
             expected["d2t"] = (Vd,)
             problems += _check_d2t(d2t, V)
+        if "eagle3.norm_before_fc" in fields and fields["eagle3.norm_before_fc"].contents():
+            expected["enc.output_norm.weight"] = (3 * meta["target_hidden_size"],)
         if "token_embd.weight" in shapes:
             expected["token_embd.weight"] = (V, H)
     problems += [f"tensor {n} missing" for n in sorted(set(expected) - set(shapes))]
