@@ -45,6 +45,7 @@ PEERS = ("modelopt", "specforge", "speculators")
 RUNS = (*PEERS, "draftsmith")
 LOCK = Path("/tmp/draftsmith-bench.lock")
 TARGET = "smollm2-135m-instruct"
+STAGES = ("data", "capture", "train", "eval", "llamacpp")
 QUICKSTART_DATA = ("builtin:sharegpt_1000", "builtin:gsm8k_train", "builtin:gpteacher_codegen")
 
 
@@ -350,18 +351,33 @@ def peer_python(peer: str) -> Path:
     return PEER_ROOT / peer / "bin" / "python"
 
 
-def train_command(run: str, work: Path, budget: dict) -> list[str]:
+def parse_ablation(text: str) -> tuple[str, list[str]]:
+    """``NAME:KEY=VALUE[,KEY=VALUE]`` → (run ``draftsmith-NAME``, the overrides)."""
+    name, sep, items = text.partition(":")
+    overrides = [item.strip() for item in items.split(",") if item.strip()]
+    if not sep or not name or not overrides or any("=" not in item for item in overrides):
+        raise ValueError(f"--ablation {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE] (e.g. lr:optim.lr=1e-4)")
+    return f"draftsmith-{name}", overrides
+
+
+def train_command(run: str, work: Path, budget: dict, overrides: list[str] = ()) -> list[str]:
     out = work / "runs" / run
     common = ["--work", str(work), "--out", str(out)]
-    if run == "draftsmith":
-        return [sys.executable, str(BENCH / "peers" / "draftsmith_run.py"), *common]
+    if run.startswith("draftsmith"):
+        extra = [arg for item in overrides for arg in ("--override", item)]
+        return [sys.executable, str(BENCH / "peers" / "draftsmith_run.py"), *common, *extra]
     return [str(peer_python(run)), str(BENCH / "peers" / f"{run}_run.py"), *common]
 
 
-def stage_train(work: Path, runs: list[str], budget: dict) -> dict:
-    results = {}
-    for run in runs:
-        if run != "draftsmith" and not peer_python(run).exists():
+def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None = None, save=None,
+                ablations: dict[str, list[str]] | None = None) -> dict:  # fmt: skip
+    """Train ``runs`` (and the draftsmith ``ablations``: run name → recipe overrides) one at a time into
+    ``results`` (runs already there are replaced), calling ``save`` after each so a bench cut short keeps
+    the runs that finished."""
+    results = {} if results is None else results
+    ablations = ablations or {}
+    for run in [*runs, *ablations]:
+        if not run.startswith("draftsmith") and not peer_python(run).exists():
             results[run] = {
                 "skipped": f"no venv at {PEER_ROOT / run}: bash scripts/install_peers.sh --train {run}"
             }
@@ -370,7 +386,9 @@ def stage_train(work: Path, runs: list[str], budget: dict) -> dict:
         out = work / "runs" / run
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         print(f"peer_training: training {run} ...", file=sys.stderr, flush=True)
-        timed = run_timed(train_command(run, work, budget), out.with_suffix(".log"), env)
+        timed = run_timed(
+            train_command(run, work, budget, ablations.get(run, [])), out.with_suffix(".log"), env
+        )
         report = out / "result.json"
         timed.update(
             json.loads(report.read_text()) if report.exists() else {"error": "no result.json; see the log"}
@@ -378,6 +396,8 @@ def stage_train(work: Path, runs: list[str], budget: dict) -> dict:
         timed.update(throughput(timed, budget))
         results[run] = timed
         print(f"peer_training: {run} rc={timed['returncode']} in {timed['wall_s']:.0f} s", file=sys.stderr)
+        if save:
+            save()
     return results
 
 
@@ -412,8 +432,13 @@ def throughput(run: dict, budget: dict) -> dict:
 # --------------------------------------------------------------------------- stage: eval
 
 
+def trained_heads(results: dict) -> dict[str, str]:
+    """run: head folder, for the runs whose head is there."""
+    return {run: r["head"] for run, r in results.items() if r.get("head") and Path(r["head"]).exists()}
+
+
 def stage_eval(work: Path, results: dict, limit: int, max_new_tokens: int) -> dict:
-    heads = {run: r["head"] for run, r in results.items() if r.get("head") and Path(r["head"]).exists()}
+    heads = trained_heads(results)
     if not heads:
         return {"skipped": "no trained heads"}
     try:
@@ -434,6 +459,72 @@ def stage_eval(work: Path, results: dict, limit: int, max_new_tokens: int) -> di
         timed["heads"] = heads
         evals[k] = timed
     return evals
+
+
+def stage_llamacpp(work: Path, results: dict, limit: int, max_new_tokens: int, k: int = 5) -> dict:
+    """Every head through GGUF (``draftsmith export --to gguf``, f16) in llama-server (draft-eagle3, k draft
+    tokens a step, greedy) beside the target alone, with the bundled Q4_1 target and its F32 copy: llama.cpp's
+    own τ, per-position acceptance and speedup. Dev prompts as the eval stage's, first turn only."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from draftsmith import llamacpp
+    from draftsmith.eval.prompts import load_prompts, render
+    from draftsmith.export.gguf import write_gguf
+    from draftsmith.loading import resolve_model_path, smollm2_gguf_path
+
+    if not llamacpp.available():
+        return {"skipped": f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})"}
+    heads = trained_heads(results)
+    folder = work / "llamacpp"
+    folder.mkdir(parents=True, exist_ok=True)
+    targets = {"q4_1": smollm2_gguf_path(), "f32": folder / "target-f32.gguf"}
+    if not targets["f32"].exists():
+        write_gguf(resolve_model_path(TARGET)[0], targets["f32"], "f32", smollm2_gguf_path())
+    files, exported = {}, {}
+    for run, head in heads.items():
+        files[run] = folder / f"{run}-f16.gguf"
+        cmd = [sys.executable, "-m", "draftsmith.cli", "export", str(head), "--to", "gguf", "--target", TARGET,
+               "--out", str(files[run]), "--overwrite"]  # fmt: skip
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        exported[run] = {
+            "command": cmd,
+            "returncode": done.returncode,
+            "tail": done.stdout[-300:] + done.stderr[-600:],
+        }
+        if done.returncode:
+            files.pop(run)
+    prompts = [
+        dataclasses.replace(q, turns=q.turns[:1])
+        for q in load_prompts("builtin:dev_prompts", limit, None, "round-robin")
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(TARGET)[0])
+    prompt_ids = [render(tokenizer, [{"role": "user", "content": q.turns[0]}]).tolist() for q in prompts]
+    runs: list = []
+    with bench_lock() as waited:
+        try:
+            for target, gguf in targets.items():
+                for run in (None, *files):
+                    name = f"{target}:{run or 'alone'}"
+                    log = folder / f"server-{name.replace(':', '-')}.log"
+                    flags = llamacpp.speculative_args(run and "eagle3", k, files.get(run))
+                    server = llamacpp.Server(gguf, flags, log=log)
+                    runs.append(llamacpp.SpeculativeRun(name, server.__enter__(), log))
+            for run in runs:  # untimed warm-up
+                run.complete(prompt_ids[0], min(32, max_new_tokens), timed=False)
+            for ids in prompt_ids:
+                for run in runs:
+                    run.complete(ids, max_new_tokens)
+        finally:
+            for run in runs:
+                run.server.__exit__(None, None, None)
+    rows = {}
+    for target in targets:
+        alone = next(r for r in runs if r.name == f"{target}:alone")
+        rows |= {r.name: r.summary(alone) for r in runs if r.name.startswith(f"{target}:")}
+    return {"k": k, "prompts": len(prompt_ids), "max_new_tokens": max_new_tokens, "lock_wait_s": waited,
+            "llamacpp": f"llama-cpp-python {llamacpp.LLAMACPP_PY_VERSION} sdist", "exports": exported, "rows": rows}  # fmt: skip
 
 
 # --------------------------------------------------------------------------- report
@@ -482,6 +573,33 @@ def print_table(budget: dict, capture_rec: dict | None, results: dict) -> None:
               f"{num('peak_rss_mb'):>8}  {held_text}")  # fmt: skip
 
 
+def print_judged(record: dict) -> None:
+    """Each head as ``draftsmith eval`` (k = 5, k auto) and llama.cpp (Q4_1 and F32 target, k = 5) judged it."""
+    heads = {}
+    for k, ev in (record.get("eval") or {}).items():
+        report = ev.get("report") if isinstance(ev, dict) else None
+        for run, head in (ev.get("heads") or {}).items() if report else ():
+            row = next((d for d in report["drafts"] if d["name"] == str(head)), None)
+            if row:
+                heads.setdefault(run, {})[k] = row
+    llama = (record.get("llamacpp") or {}).get("rows") or {}
+    if not heads and not llama:
+        return
+    print(f"\n{'head':<12} {'τ k5':>5} {'speedup':>7} {'bound':>6} {'τ auto':>6} {'speedup':>7}  "
+          f"{'acceptance by position (k5)':<30} {'llama.cpp τ q4_1':>16} {'f32':>5} {'speedup q4_1':>12}")  # fmt: skip
+    for run in dict.fromkeys([*heads, *(n.split(":")[1] for n in llama if not n.endswith(":alone"))]):
+        five, auto = heads.get(run, {}).get("5", {}), heads.get(run, {}).get("auto", {})
+        q4, f32 = llama.get(f"q4_1:{run}", {}), llama.get(f"f32:{run}", {})
+
+        def f(row, key, spec=".2f"):
+            return format(row[key], spec) if isinstance(row.get(key), (int, float)) else "-"
+
+        positions = " ".join("-" if a is None else format(a, ".2f") for a in five.get("per_position") or [])
+        print(f"{run:<12} {f(five, 'tau'):>5} {f(five, 'speedup'):>7} {f(five, 'speedup_bound'):>6} "
+              f"{f(auto, 'tau'):>6} {f(auto, 'speedup'):>7}  {positions:<30} {f(q4, 'tau'):>16} "
+              f"{f(f32, 'tau'):>5} {f(q4, 'speedup'):>12}")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -491,8 +609,10 @@ def main(argv: list[str] | None = None) -> int:
         "--work", type=Path, default=Path("runs/peer_training"), help="data, features, heads, logs"
     )
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS)
-    p.add_argument("--stages", nargs="+", default=["data", "capture", "train", "eval"],
-                   choices=["data", "capture", "train", "eval"])  # fmt: skip
+    p.add_argument("--ablation", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="also train draftsmith's recipe with these overrides, as run draftsmith-NAME (repeatable; "
+                   "trainer.batch_size keeps the rows, not the steps)")  # fmt: skip
+    p.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
     p.add_argument("--eval-limit", type=int, default=12, help="dev prompts in each eval run")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--out", type=Path, default=Path("bench/results/peer_training.json"))
@@ -501,22 +621,35 @@ def main(argv: list[str] | None = None) -> int:
     record = json.loads(args.out.read_text()) if args.out.exists() else {}
     record.update({"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "target": TARGET,
                    "data": list(QUICKSTART_DATA), "work": str(work)})  # fmt: skip
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1, default=str))
+        tmp.replace(args.out)
+
     if "data" in args.stages:
         record["budget"] = stage_data(work, args.tokens)
     budget = json.loads((work / "data" / "budget.json").read_text())
     record["budget"] = budget
     if "capture" in args.stages:
         record["capture"] = stage_capture(work)
+        save()
     if "train" in args.stages:
-        record.setdefault("train", {}).update(stage_train(work, args.runs, budget))
+        ablations = dict(parse_ablation(a) for a in args.ablation)
+        stage_train(work, args.runs, budget, record.setdefault("train", {}), save, ablations)
     for run in record.get("train", {}).values():  # rates from the marks, also for runs kept from before
         if "wall_s" in run:
             run.update(throughput(run, budget))
     if "eval" in args.stages:
         record["eval"] = stage_eval(work, record.get("train", {}), args.eval_limit, args.max_new_tokens)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1, default=str))
+    if "llamacpp" in args.stages:
+        record["llamacpp"] = stage_llamacpp(
+            work, record.get("train", {}), args.eval_limit, args.max_new_tokens
+        )
+    save()
     print_table(budget, record.get("capture"), record.get("train", {}))
+    print_judged(record)
     print(f"\nwrote {args.out}")
     return 0
 

@@ -236,3 +236,15 @@ assert d2t.tolist() == [3, 8]  # draft id i -> target id i + d2t[i]: 3, 9
 print("ok")
 """
     assert "ok" in run_in_peer("modelopt", code)
+
+
+def test_an_ablation_is_a_draftsmith_run_with_recipe_overrides(tmp_path):
+    name, overrides = peer_training.parse_ablation("lr:optim.lr=1e-4, trainer.batch_size=1")
+    assert (name, overrides) == ("draftsmith-lr", ["optim.lr=1e-4", "trainer.batch_size=1"])
+    cmd = peer_training.train_command(name, tmp_path, {}, overrides)
+    assert cmd[1].endswith("draftsmith_run.py") and cmd[0] == sys.executable
+    assert cmd[-4:] == ["--override", "optim.lr=1e-4", "--override", "trainer.batch_size=1"]
+    assert str(tmp_path / "runs" / "draftsmith-lr") in cmd
+    for bad in ("lr", "lr:", ":optim.lr=1", "lr:optim.lr"):
+        with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
+            peer_training.parse_ablation(bad)

@@ -6,9 +6,15 @@ process, so the optimizer steps can be timed and the final validation read back.
 overrides: ``trainer.max_steps`` from the token budget (the steps whose rows the bench gave the
 peers, in the same order), ``trainer.max_time=null`` (the budget, not the clock, ends the run) and
 the output folder. Everything else is the quickstart recipe (online: the target runs in every step).
+
+``--override KEY=VALUE`` (repeatable) changes the recipe for an ablation (``optim.lr=1e-4``, ...).
+With another ``trainer.batch_size`` the run takes as many steps as see the same number of rows.
 """
 
 from __future__ import annotations
+
+import argparse
+import sys
 
 from driver import driver_args, record_steps, write_result
 
@@ -17,8 +23,15 @@ from draftsmith.train.loop import train
 
 
 def main() -> int:
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
+    known, sys.argv[1:] = extra.parse_known_args()
     args, budget = driver_args()
-    overrides = [f"--trainer.max_steps={budget['draftsmith_steps']}", "--trainer.max_time=null",
+    ablation = [f"--{item.removeprefix('--')}" for item in known.override]
+    config = load_config("quickstart", ablation)
+    rows = budget["draftsmith_steps"] * budget["batch_size"]
+    steps = -(-rows // config.trainer.batch_size)
+    overrides = [*ablation, f"--trainer.max_steps={steps}", "--trainer.max_time=null",
                  f"--output.dir={args.out / 'run'}"]  # fmt: skip
     config = load_config("quickstart", overrides)
     marks = record_steps()
