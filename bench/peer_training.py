@@ -608,7 +608,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--work", type=Path, default=Path("runs/peer_training"), help="data, features, heads, logs"
     )
-    p.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS)
+    p.add_argument(
+        "--runs",
+        nargs="*",
+        default=list(RUNS),
+        choices=RUNS,
+        help="peers and draftsmith (none: only --ablation runs)",
+    )
     p.add_argument("--ablation", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                    help="also train draftsmith's recipe with these overrides, as run draftsmith-NAME (repeatable; "
                    "trainer.batch_size keeps the rows, not the steps)")  # fmt: skip

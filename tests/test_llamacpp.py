@@ -100,7 +100,9 @@ def test_speculative_run_counts_what_llamacpp_accepted(tiny):
     with (
         llamacpp.Server(tiny["target_gguf"], llamacpp.speculative_args(None, K), log=root / "alone.log") as a,
         llamacpp.Server(
-            tiny["target_gguf"], llamacpp.speculative_args("draft", K, tiny["target_gguf"]), log=root / "self.log"
+            tiny["target_gguf"],
+            llamacpp.speculative_args("draft", K, tiny["target_gguf"]),
+            log=root / "self.log",
         ) as s,
     ):
         alone = llamacpp.SpeculativeRun("alone", a, root / "alone.log")
