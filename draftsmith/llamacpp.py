@@ -48,7 +48,7 @@ def tool(name: str) -> Path:
     if not (path.is_file() and os.access(path, os.X_OK)):
         raise FileNotFoundError(
             f"llama.cpp's {name} is not built here ({path}). It is an optional extra: run `{INSTALL}` from a "
-            "draftsmith checkout (cmake and a C++ compiler; about 5 minutes on 2 cores), or set DRAFTSMITH_LLAMACPP "
+            "draftsmith checkout (cmake and a C++ compiler), or set DRAFTSMITH_LLAMACPP "
             "to the build/bin folder of a llama.cpp build."
         )
     return path

@@ -18,10 +18,10 @@ from pathlib import Path
 HELP = (
     __doc__.split("\n\n", 1)[1]
     + """
-Example (what it kept and saved for the H200 head: BENCHMARKS.md, "EAGLE-3 full recipe trained on one H200"):
+Example (a head trained with a 32,000-token draft vocabulary, kept to the 8,192 most frequent tokens of
+the target's own answers; what that saves is in BENCHMARKS.md):
 
-  draftsmith shrink-vocab runs/gpu_eagle3/draft --size 8192 --out runs/gpu_eagle3/draft_v8k \\
-      --data runs/qs/regenerated.jsonl runs/qs/regenerated_more.jsonl runs/synth/regenerated.jsonl
+  draftsmith shrink-vocab HEAD_DIR --size 8192 --out HEAD_DIR_v8k --data regenerated.jsonl
 """
 )
 
