@@ -94,6 +94,27 @@ def test_offline_training_runs(tiny_target_dir, conversations, tmp_path):  # noq
     assert len(losses) == 4 and losses[-1] < losses[0]
 
 
+def test_a_short_offline_run_caches_only_the_rows_it_reads(tiny_target_dir, conversations, tmp_path, capsys):  # noqa: F811
+    """2 steps of 4 rows read 8 of the 20 training rows: the cache holds those (two shards of 4), and a
+    longer run in the same cache folder reuses both shards and adds only what it reads beyond them."""
+    cache, flags = tmp_path / "cache", ("--mode=offline", "--cache.examples_per_shard=4")
+    short = make_config(tiny_target_dir, conversations, tmp_path / "a", *flags, f"--cache.dir={cache}",
+                        "--trainer.max_steps=2")  # fmt: skip
+    train(short, **QUIET)
+    assert "steps read 8 of the 20 training rows; caching 8" in capsys.readouterr().out
+    assert len(FeatureCache(cache / "train")) == 8
+    longer = make_config(tiny_target_dir, conversations, tmp_path / "b", *flags, f"--cache.dir={cache}",
+                         "--trainer.max_steps=3")  # fmt: skip
+    result = train(longer, **QUIET)
+    out = capsys.readouterr().out
+    assert "caching 12" in out and "2 of 3 shards already complete" in out and result.steps == 3
+    assert len(FeatureCache(cache / "train")) == 12
+    whole = make_config(tiny_target_dir, conversations, tmp_path / "c", *flags, "--trainer.max_steps=5")
+    train(whole, **QUIET)
+    assert "caching" not in capsys.readouterr().out  # 5 steps read every row: all of them are cached
+    assert len(FeatureCache(tmp_path / "c" / "feature_cache" / "train")) == 20
+
+
 def test_full_logits_cache_stores_no_ids(target, rows, tmp_path):
     from safetensors import safe_open
 

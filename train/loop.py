@@ -268,6 +268,26 @@ def make_loaders(
 # --------------------------------------------------------------------------- the run
 
 
+def rows_to_cache(train_ds, config: TrainConfig, world_size: int, rank: int = 0):
+    """The training rows an offline run caches: all of them, or, when its ``max_steps`` read fewer than one
+    pass, that many in a fixed shuffle of the data (``data.seed``), rounded up to whole shards on every
+    rank. A longer run in the same ``cache.dir`` takes a longer prefix of the same shuffle, so the shards
+    already written are reused and only the new ones are computed."""
+    t, per_shard = config.trainer, config.cache.examples_per_shard
+    reads = t.max_steps * t.batch_size * t.grad_accum * world_size
+    rows = min(len(train_ds), -(-reads // (per_shard * world_size)) * per_shard * world_size)
+    if rows >= len(train_ds):
+        return train_ds
+    if rank == 0:
+        print(
+            f"[draftsmith] offline: {t.max_steps} steps read {reads:,} of the {len(train_ds):,} training rows; "
+            f"caching {rows:,} of them (data.seed {config.data.seed}; a longer run adds to the cache)",
+            flush=True,
+        )
+    order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(config.data.seed))
+    return train_ds.select(order[:rows].tolist())
+
+
 @dataclass
 class TrainResult:
     output_dir: Path
@@ -411,6 +431,7 @@ def _train_locked(
         root = Path(config.cache.dir) if config.cache.dir else output_dir / "feature_cache"
         cache_dirs = (root / "train", root / "heldout")
         c = config.cache
+        train_ds = rows_to_cache(train_ds, config, world_size, rank)
         for ds, directory in zip((train_ds, heldout_ds), cache_dirs):
             build_feature_cache(
                 target, ds, directory, objective.capture_layers, objective.teacher_topk, c.examples_per_shard,
