@@ -62,8 +62,6 @@ class DraftKind:
     family: str
     """How it is stored and served: ``eagle`` (a head on the target's hidden states), ``causal_lm`` (an
     ordinary transformers causal LM), ``medusa``, or ``training-free`` (no checkpoint)."""
-    objective: str | None = None
-    """The module that registers its training objective (``train/objectives/...``), None if untrainable."""
     exports: tuple[str, ...] = ()
     """``draftsmith export --to`` engines it has a layout for."""
     refusals: dict[str, str] = field(default_factory=dict)

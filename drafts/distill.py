@@ -34,6 +34,8 @@ from draftsmith.drafts.base import DRAFT_KIND_KEY, DraftKind, register
 from draftsmith.drafts.model_drafter import ModelDrafter
 from draftsmith.loading import load_causal_lm, tokenizer_fingerprint
 
+DISTILL = "distill"
+"""The kind name of a distilled small draft."""
 TARGET_KEY = "draftsmith_target"
 
 
@@ -257,7 +259,7 @@ def _build(target, spec: str) -> ModelDrafter:
     return ModelDrafter(model, name=name)
 
 
-register(DraftKind("distill", "distilled small draft", _build, "causal_lm", objective="draftsmith.train.objectives.distill",
+register(DraftKind(DISTILL, "distilled small draft", _build, "causal_lm",
                    exports=("hf", "vllm", "sglang", "gguf"), target_key=TARGET_KEY, refusals={"speculators": (
                        "the speculators format holds EAGLE-3 heads; a distilled draft is an ordinary causal LM: "
                        "export it with --to vllm (vLLM's draft_model method loads the transformers directory)")}))  # fmt: skip

@@ -33,6 +33,10 @@ from draftsmith.drafts.base import DRAFT_KIND_KEY, ENGINES, DraftKind, register
 from draftsmith.drafts.base import check_target as check_draft_target
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 
+EAGLE1 = "eagle1"
+"""The kind name of an EAGLE-1 head."""
+EAGLE3 = "eagle3"
+"""The kind name of an EAGLE-3 head."""
 PRESETS = ("eagle1", "eagle3")
 
 
@@ -506,9 +510,9 @@ def _build(target, path: str) -> Drafter:
     return EagleDrafter(load_head(target, path), name=f"eagle:{Path(path).name}")
 
 
-register(DraftKind("eagle3", "EAGLE-3 head", _build, "eagle", objective="draftsmith.train.objectives.eagle",
+register(DraftKind(EAGLE3, "EAGLE-3 head", _build, "eagle",
                    exports=ENGINES))  # fmt: skip
-register(DraftKind("eagle1", "EAGLE-1 head", _build, "eagle", objective="draftsmith.train.objectives.eagle",
+register(DraftKind(EAGLE1, "EAGLE-1 head", _build, "eagle",
                    exports=("hf",), refusals={engine: (
                        "draftsmith's EAGLE-1 head keeps its first layer's input norm and reads the target's final "
                        "norm, which the engines' EAGLE-1 loaders do not; train an eagle3 head, or use this one with "

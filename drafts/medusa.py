@@ -33,6 +33,9 @@ from draftsmith.decode.tree import DraftTree, TreeBuilder, TreeSpec
 from draftsmith.drafts.base import DRAFT_KIND_KEY, DraftKind, check_target, register
 from draftsmith.drafts.eagle import copy_final_norm
 
+MEDUSA = "medusa"
+"""The kind name of a Medusa draft."""
+
 
 class MedusaConfig(PretrainedConfig):
     """Shape of the Medusa heads plus the record of the target they were trained for."""
@@ -241,6 +244,6 @@ NO_ENGINE_LOADER = (
     "neither vLLM 0.33 nor SGLang 0.5.23 has a Medusa loader any more (their released sources contain "
     "none), and llama.cpp has no Medusa graph; use the heads with `draftsmith eval`, or export them with --to hf"
 )
-register(DraftKind("medusa", "Medusa draft", _build, "medusa", objective="draftsmith.train.objectives.medusa",
+register(DraftKind(MEDUSA, "Medusa draft", _build, "medusa",
                    exports=("hf",), refusals=dict.fromkeys(("vllm", "sglang", "speculators", "gguf"),
                                                              NO_ENGINE_LOADER)))  # fmt: skip

@@ -26,6 +26,9 @@ from draftsmith.drafts.base import ENGINES, DraftKind, register
 from draftsmith.drafts.eagle import EagleHead, load_head
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 
+MIRROR = "mirror"
+"""The kind name of a mirror draft."""
+
 
 def mirror_settings(config) -> MirrorSettings:
     """The settings a mirror head's config records; a clear error for a head that is not one."""
@@ -110,11 +113,10 @@ def _build(target, path: str) -> Drafter:
 
 register(
     DraftKind(
-        "mirror",
+        MIRROR,
         "mirror draft (EAGLE-3 head on the target's early exit)",
         _build,
         "eagle",
-        objective="draftsmith.train.objectives.eagle",
         exports=("hf",),
         refusals={
             engine: "no serving engine runs mirror decoding (early-exit candidates and branch reuse); evaluate "

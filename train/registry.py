@@ -1,7 +1,8 @@
 """``draft.kind`` → the objective that trains it, for the one training loop.
 
-The kinds and their names are ``drafts/base.py``'s records; a record names the module of its training
-objective, which registers a factory with ``@register_objective(kind)`` when it is first imported.
+The kinds and their names are ``drafts/base.py``'s records; which of them train, and by which module of
+``train/objectives/``, is train's own knowledge (``OBJECTIVE_MODULES``). That module registers a factory
+with ``@register_objective(kind)`` when it is first imported, so reading a recipe imports no objective.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from draftsmith.drafts.base import draft_kind, kind_names
+from draftsmith.drafts.distill import DISTILL
+from draftsmith.drafts.eagle import EAGLE1, EAGLE3
+from draftsmith.drafts.medusa import MEDUSA
+from draftsmith.drafts.mirror import MIRROR
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +32,16 @@ def unknown_key(key: str, valid: list[str], where: str) -> ValueError:
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return ValueError(f"unknown key {key!r} in {where}.{hint} Valid keys: {', '.join(valid)}")
 
+
+OBJECTIVE_MODULES = {
+    EAGLE1: "draftsmith.train.objectives.eagle",
+    EAGLE3: "draftsmith.train.objectives.eagle",
+    MIRROR: "draftsmith.train.objectives.eagle",
+    MEDUSA: "draftsmith.train.objectives.medusa",
+    DISTILL: "draftsmith.train.objectives.distill",
+}
+"""Trainable kind → the module that registers its objective (imported the first time the kind is asked
+for). A kind of ``drafts/`` missing here needs no training (n-gram, layer subset, another pipeline's head)."""
 
 ObjectiveFactory = Callable[["Target", dict[str, Any], "torch.Tensor | None"], "Objective"]
 """``(target, draft.options, token_counts or None) -> Objective``."""
@@ -55,13 +70,14 @@ def _provide(kind: str) -> None:
         return
     if kind not in kind_names():
         raise unknown_key(kind, objective_kinds(), "draft.kind (no such draft kind)")
-    record = draft_kind(kind)
-    if record.objective is None:
+    if kind not in OBJECTIVE_MODULES:
         raise ValueError(
-            f"draft.kind {kind!r} is a {record.title}: it needs no training. Trainable kinds: "
+            f"draft.kind {kind!r} is a {draft_kind(kind).title}: it needs no training. Trainable kinds: "
             f"{', '.join(objective_kinds())}"
         )
-    importlib.import_module(record.objective)
+    importlib.import_module(OBJECTIVE_MODULES[kind])
+    if kind not in _OBJECTIVES:
+        raise RuntimeError(f"{OBJECTIVE_MODULES[kind]} registers no objective for draft.kind {kind!r}")
 
 
 def check_objective_options(kind: str, options: dict[str, Any]) -> None:
@@ -72,8 +88,8 @@ def check_objective_options(kind: str, options: dict[str, Any]) -> None:
 
 
 def objective_kinds() -> list[str]:
-    """Every kind with a training objective (the drafts' records, plus objectives registered directly)."""
-    return sorted(set(_OBJECTIVES) | {k for k in kind_names() if draft_kind(k).objective})
+    """Every kind with a training objective (``OBJECTIVE_MODULES``, plus objectives registered directly)."""
+    return sorted(set(_OBJECTIVES) | set(OBJECTIVE_MODULES))
 
 
 def build_objective(kind: str, target: Target, options: dict[str, Any], token_counts=None) -> Objective:

@@ -1,1 +1,2 @@
-"""Per-kind training objectives; each module registers its kinds with ``train.config.register_objective``."""
+"""Per-kind training objectives. Each module registers the kinds it trains with
+``train.registry.register_objective``; ``train.registry.OBJECTIVE_MODULES`` says which module trains a kind."""

@@ -95,7 +95,7 @@ def chain_run_lengths(agree: torch.Tensor, valid: torch.Tensor, k: int) -> torch
 class DistillObjective(Objective):
     """A small causal LM distilled from the target's next-token distributions."""
 
-    kind = "distill"
+    kind = distill.DISTILL
     capture_layers = ()
 
     def __init__(self, target: Target, options: dict[str, Any] | None = None):
@@ -272,9 +272,11 @@ class DistillObjective(Objective):
 def check_distill_options(options: dict[str, Any]) -> None:
     for key in options:
         if key not in DEFAULTS:
-            raise unknown_key(f"draft.options.{key}", sorted(DEFAULTS), "draft.options of kind 'distill'")
+            raise unknown_key(
+                f"draft.options.{key}", sorted(DEFAULTS), f"draft.options of kind {distill.DISTILL!r}"
+            )
 
 
-@register_objective("distill", check=check_distill_options)
+@register_objective(distill.DISTILL, check=check_distill_options)
 def _build_objective(target: Target, options: dict[str, Any], token_counts=None) -> DistillObjective:
     return DistillObjective(target, options)

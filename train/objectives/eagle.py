@@ -30,11 +30,14 @@ from draftsmith.decode.features import decoder_layers, resolve_layer_ids
 from draftsmith.decode.mirror import MirrorSettings
 from draftsmith.drafts.base import DRAFT_KIND_KEY
 from draftsmith.drafts.eagle import (
+    EAGLE1,
+    EAGLE3,
     EagleConfig,
     EagleHead,
     build_vocab_map,
     check_target,
 )
+from draftsmith.drafts.mirror import MIRROR
 from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.objectives.common import (
@@ -48,7 +51,7 @@ from draftsmith.train.registry import check_options, register_objective
 
 __all__ = ["Eagle1Objective", "Eagle3Objective", "EagleObjective", "MirrorObjective"]
 
-DEFAULT_TTT_STEPS = {"eagle1": 1, "eagle3": 3}
+DEFAULT_TTT_STEPS = {EAGLE1: 1, EAGLE3: 3}
 """EAGLE-3's paper unrolls 7 steps; 3 keeps CPU training fast and already covers most accepted chains."""
 
 
@@ -110,7 +113,7 @@ class EagleObjective(Objective):
     def __init__(
         self,
         target,
-        preset: str = "eagle3",
+        preset: str = EAGLE3,
         num_layers: int | None = None,
         capture_layer_ids: list[int] | None = None,
         draft_vocab_size: int | None = None,
@@ -158,7 +161,7 @@ class EagleObjective(Objective):
         self.step_weights = [step_decay**j for j in range(steps)]
         self.feature_weight, self.token_weight = feature_weight, token_weight
         self.vocab_map = None
-        reduced = preset == "eagle3" and self.config.draft_vocab_size < self.config.vocab_size
+        reduced = preset == EAGLE3 and self.config.draft_vocab_size < self.config.vocab_size
         if reduced and self.init_head is None:  # a loaded head brings its own vocabulary map
             if token_counts is None:
                 raise ValueError(
@@ -202,7 +205,7 @@ class EagleObjective(Objective):
         )
         draft_index = head.t2d.long().cumsum(0) - 1  # target id -> draft id (d2t is ascending)
         greedy = teacher_greedy(teacher)
-        if self.preset == "eagle1":
+        if self.preset == EAGLE1:
             feature = teacher.features[self.capture_layers[0]]
         total = out.logits[0].new_zeros(())
         logs: dict[str, torch.Tensor] = {}
@@ -215,7 +218,7 @@ class EagleObjective(Objective):
             )
             step_loss = masked_mean(ce[has_mass])
             logs[f"ce_{j}"] = step_loss.detach()
-            if self.preset == "eagle1":
+            if self.preset == EAGLE1:
                 pred = out.hidden_states[j][sel].float()
                 real = shift_left(feature, 1 + j)[sel].float()
                 feat_loss = masked_mean(F.smooth_l1_loss(pred, real, reduction="none").mean(-1))
@@ -268,14 +271,14 @@ class Eagle1Objective(EagleObjective):
     """EAGLE-1: last-layer feature regression (smooth-L1) + soft CE over the full vocabulary."""
 
     def __init__(self, target, **options):
-        super().__init__(target, preset="eagle1", **options)
+        super().__init__(target, preset=EAGLE1, **options)
 
 
 class Eagle3Objective(EagleObjective):
     """EAGLE-3: fused low/mid/high features, reduced draft vocabulary, TTT unroll with decaying weights."""
 
     def __init__(self, target, **options):
-        super().__init__(target, preset="eagle3", **options)
+        super().__init__(target, preset=EAGLE3, **options)
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -309,7 +312,7 @@ class MirrorObjective(EagleObjective):
                 f"draft.options.capture_layer_ids {capture}: a mirror draft reads its early-exit layer alone; "
                 f"drop capture_layer_ids and set early_exit_layer ({layer})"
             )
-        super().__init__(target, preset="eagle3", capture_layer_ids=[layer], **options)
+        super().__init__(target, preset=EAGLE3, capture_layer_ids=[layer], **options)
         if (
             self.init_head is not None
             and (self.init_head.config.mirror or {}).get("early_exit_layer") != layer
@@ -319,22 +322,22 @@ class MirrorObjective(EagleObjective):
                 "trained with the same early_exit_layer"
             )
         self.config.mirror = {"early_exit_layer": layer, "kappa": settings.kappa, "gamma": settings.gamma}
-        setattr(self.config, DRAFT_KIND_KEY, "mirror")
+        setattr(self.config, DRAFT_KIND_KEY, MIRROR)
 
 
-@register_objective("eagle1", check=lambda options: check_options(Eagle1Objective, "eagle1", options))
+@register_objective(EAGLE1, check=lambda options: check_options(Eagle1Objective, EAGLE1, options))
 def _build_eagle1(target, options: dict, token_counts=None) -> Eagle1Objective:
-    check_options(Eagle1Objective, "eagle1", options)
+    check_options(Eagle1Objective, EAGLE1, options)
     return Eagle1Objective(target, token_counts=token_counts, **options)
 
 
-@register_objective("eagle3", check=lambda options: check_options(Eagle3Objective, "eagle3", options))
+@register_objective(EAGLE3, check=lambda options: check_options(Eagle3Objective, EAGLE3, options))
 def _build_eagle3(target, options: dict, token_counts=None) -> Eagle3Objective:
-    check_options(Eagle3Objective, "eagle3", options)
+    check_options(Eagle3Objective, EAGLE3, options)
     return Eagle3Objective(target, token_counts=token_counts, **options)
 
 
-@register_objective("mirror", check=lambda options: check_options(MirrorObjective, "mirror", options))
+@register_objective(MIRROR, check=lambda options: check_options(MirrorObjective, MIRROR, options))
 def _build_mirror(target, options: dict, token_counts=None) -> MirrorObjective:
-    check_options(MirrorObjective, "mirror", options)
+    check_options(MirrorObjective, MIRROR, options)
     return MirrorObjective(target, token_counts=token_counts, **options)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.drafts.medusa import MedusaConfig, MedusaHeads
+from draftsmith.drafts.medusa import MEDUSA, MedusaConfig, MedusaHeads
 from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.objectives.common import (
@@ -32,7 +32,7 @@ from draftsmith.train.registry import check_options, register_objective
 class MedusaObjective(Objective):
     """Medusa heads + per-head (soft or hard) cross-entropy; see the module docstring."""
 
-    kind = "medusa"
+    kind = MEDUSA
 
     def __init__(
         self,
@@ -103,7 +103,7 @@ class MedusaObjective(Objective):
         return accepted, starts
 
 
-@register_objective("medusa", check=lambda options: check_options(MedusaObjective, "medusa", options))
+@register_objective(MEDUSA, check=lambda options: check_options(MedusaObjective, MEDUSA, options))
 def _build(target, options: dict, token_counts=None) -> MedusaObjective:
-    check_options(MedusaObjective, "medusa", options)
+    check_options(MedusaObjective, MEDUSA, options)
     return MedusaObjective(target, **options)
