@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 from draftsmith.cli import main
-from draftsmith.train.config import TrainConfig, describe, field_docs, load_config, parse_overrides, to_dict
+from draftsmith.train.config import load_config, parse_overrides
 from draftsmith.train.registry import build_objective, objective_kinds
+from draftsmith.train.schema import TrainConfig, describe, to_dict
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 PATHS = "--data.paths=[a.jsonl]"
@@ -37,7 +38,7 @@ def test_every_recipe_parses(path):
 def test_every_key_has_help_text():
     sections = [type(getattr(TrainConfig(), f.name)) for f in dataclasses.fields(TrainConfig)]
     for cls in [TrainConfig, *filter(dataclasses.is_dataclass, sections)]:
-        missing = {f.name for f in dataclasses.fields(cls)} - set(field_docs(cls))
+        missing = {name for name, info in cls.__pydantic_fields__.items() if not info.description}
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
     text = describe()
     assert "trainer.max_steps" in text and "Optimizer steps to train for." in text and "draft.options" in text
@@ -60,6 +61,11 @@ def test_yaml_and_overrides(tmp_path):
     assert config.data.paths == ["x.jsonl"]
 
 
+def test_a_single_path_is_a_list_and_empty_options_are_none(tmp_path):
+    config = load_config(write(tmp_path, "data:\n  paths: x.jsonl\ndraft:\n  options:\n"))
+    assert config.data.paths == ["x.jsonl"] and config.draft.options == {}
+
+
 def test_resolved_config_round_trips(tmp_path):
     config = load_config(CONFIGS[0], ["--optim.betas=[0.8, 0.9]"])
     again = load_config(write(tmp_path, yaml.safe_dump(to_dict(config))))
@@ -74,11 +80,17 @@ def test_resolved_config_round_trips(tmp_path):
             r"unknown key 'trainer.max_step'.*Did you mean 'max_steps'.*Valid keys: max_steps",
         ),
         (["--traner.max_steps=3"], r"unknown key 'traner'.*Did you mean 'trainer'"),
-        (["--trainer=3"], r"trainer is a section; override one of its keys: trainer.max_steps"),
-        (["--optim.lr=fast"], r"optim.lr: expected float, got 'fast'"),
-        (["--trainer.batch_size=2.5"], r"trainer.batch_size: expected int"),
-        (["--mode=sometimes"], r"mode: 'sometimes' is not one of online, offline"),
-        (["--trainer.max_steps=0"], r"trainer.max_steps must be >= 1"),
+        (["--trainer=3"], r"trainer is a section, not 3; set one of its keys: trainer.max_steps"),
+        (["--optim.lr=fast"], r"optim.lr='fast': Input should be a valid number"),
+        (["--trainer.batch_size=2.5"], r"trainer.batch_size=2.5: Input should be a valid integer"),
+        (["--mode=sometimes"], r"mode='sometimes': Input should be 'online' or 'offline'"),
+        (["--trainer.max_steps=0"], r"trainer.max_steps=0: Input should be greater than 0"),
+        (["--trainer.max_time=-1"], r"trainer.max_time=-1: Input should be greater than 0"),
+        (
+            ["--trainer.devices=[1]"],
+            r"trainer.devices=\[1\]: Input should be a valid integer or .* valid string",
+        ),
+        (["--data.paths=[a, {b: 1}]"], r"data.paths\[1\]={'b': 1}: Input should be a valid string"),
         (["--draft.kind=eagle4"], r"unknown key 'eagle4' in draft.kind.*Did you mean 'eagle3'"),
         (["--trainer.max_steps"], r"has no value"),
         (["trainer.max_steps=3"], r"write overrides as --section.key=value"),
@@ -192,9 +204,15 @@ def test_presets_apply_in_order_and_unknown_ones_are_named(tmp_path):
             ["--trainer.strategy=deepspeed_stage2"],
             r"unknown key 'deepspeed_stage2' in trainer.strategy.*'deepspeed_stage_2'",
         ),
-        (["--trainer.num_nodes=0"], r"trainer.num_nodes must be >= 1"),
-        (["--target.device_map=balanced"], r"target.device_map: 'balanced' is not one of null, auto, device"),
-        (["--cache.feature_dtype=fp8"], r"cache.feature_dtype: 'fp8' is not one of auto, bfloat16, float8"),
+        (["--trainer.num_nodes=0"], r"trainer.num_nodes=0: Input should be greater than 0"),
+        (
+            ["--target.device_map=balanced"],
+            r"target.device_map='balanced': Input should be 'auto' or 'device'",
+        ),
+        (
+            ["--cache.feature_dtype=fp8"],
+            r"cache.feature_dtype='fp8': Input should be 'auto', 'bfloat16' or 'float8'",
+        ),
     ],
 )
 def test_distributed_keys_are_checked(args, message):

@@ -1,7 +1,7 @@
 """``draftsmith train CONFIG.yaml [--preset NAME ...] [--section.key=value ...] [--resume]``.
 
 The help text lists every section and key of the typed config, generated from the dataclass
-docstrings in ``train/config.py``; torch and Lightning are imported only when training starts.
+docstrings in ``train/schema.py``; torch and Lightning are imported only when training starts.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import argparse
 import shlex
 import sys
 
-from draftsmith.train.config import describe, load_config
+from draftsmith.train.config import load_config
 from draftsmith.train.registry import objective_kinds
+from draftsmith.train.schema import describe
 
 EXAMPLE = """examples:
   draftsmith train configs/debug_eagle3.yaml

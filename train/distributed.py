@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.train.config import TrainConfig, TrainerConfig
+from draftsmith.train.schema import TrainConfig, TrainerConfig
 
 DEEPSPEED_INSTALL = "pip install 'draftsmith[deepspeed]'"
 

@@ -14,8 +14,8 @@ import yaml
 from draftsmith import files
 from draftsmith.sources import check_source
 from draftsmith.train.checkpoint import CHECKPOINT_DIR, DRAFT_DIR, LAST, last_checkpoint
-from draftsmith.train.config import TrainConfig, to_dict
 from draftsmith.train.registry import check_objective_options
+from draftsmith.train.schema import TrainConfig, to_dict
 
 RESUME_SAFE = ("trainer.max_steps", "trainer.max_time", "trainer.log_every", "trainer.ckpt_every",
                "trainer.devices", "trainer.num_nodes", "trainer.strategy", "trainer.accelerator",
