@@ -1,7 +1,7 @@
 """The typed training config: one dataclass per recipe section, checked by pydantic.
 
-The string under each field is its help text (pydantic reads it, ``use_attribute_docstrings``): it is
-what ``draftsmith train --help`` prints and what an error about the key is written from. pydantic checks
+The string under each field is its help text, the one place it is written: pydantic reads it
+(``use_attribute_docstrings``) and ``describe`` prints it for ``draftsmith train --help``. pydantic checks
 types and ranges and refuses unknown keys; ``validate`` adds the checks across fields and against the
 objective registry. Reading recipes, presets and overrides into this is ``train/config.py``.
 """
@@ -178,18 +178,9 @@ class TrainConfig:
     """Where the run writes."""
 
 
-STRATEGIES = (
-    "auto",
-    "ddp",
-    "ddp_find_unused_parameters_true",
-    "ddp_spawn",
-    "fsdp",
-    "fsdp_cpu_offload",
-    "deepspeed_stage_2",
-    "deepspeed_stage_2_offload",
-    "deepspeed_stage_3",
-    "deepspeed_stage_3_offload",
-)
+STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "ddp_spawn", "fsdp", "fsdp_cpu_offload",
+              "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload")  # fmt: skip
+"""``trainer.strategy``: Lightning's names (``train/distributed.py`` builds them); a str, for the did-you-mean."""
 
 
 def validate(config: TrainConfig) -> None:
