@@ -42,7 +42,6 @@ from draftsmith.train.checkpoint import (
     last_checkpoint,
     remove_partial_checkpoints,
 )
-from draftsmith.train.config import TrainConfig, to_dict
 from draftsmith.train.data import pad_id_of
 from draftsmith.train.distributed import (
     build_strategy,
@@ -60,6 +59,7 @@ from draftsmith.train.progress import StepProgress
 from draftsmith.train.registry import build_objective
 from draftsmith.train.resume import ExactResume
 from draftsmith.train.sampler import EvalSampler, ResumableDataLoader, ResumableSampler
+from draftsmith.train.schema import TrainConfig, to_dict
 from draftsmith.train.teacher import compute_teacher
 
 TOKEN_COUNTS = "token_counts.safetensors"
