@@ -3,9 +3,9 @@
 A ``DraftKind`` owns what differs between kinds: its one name (the ``--draft`` spec prefix of a
 training-free kind, ``draftsmith_kind`` in a saved ``config.json``, ``draft.kind`` in a training recipe,
 the model card's tag), what the card calls it, how it loads, the module of its training objective,
-the engines it exports to and why it refuses the others. A kind's file in ``drafts/`` registers its
-record; the registry imports that file the first time the kind is asked for (``KIND_MODULES``), so
-reading a config or a spec never imports torch. Adding a kind = one file here (model, drafter,
+the engines it exports to (records of ``drafts/engines.py``) and why it refuses the others. A kind's
+file in ``drafts/`` registers its record; the registry imports that file the first time the kind is
+asked for (``KIND_MODULES``), so reading a config or a spec never imports torch. Adding a kind = one file here (model, drafter,
 record) and one objective in ``train/objectives/``.
 
 Every trained draft records the target it was trained for (``Target.record()``); ``check_target`` is
@@ -17,13 +17,14 @@ from __future__ import annotations
 import difflib
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from draftsmith import files
 from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.features import LAYER_ID_CONVENTION
+from draftsmith.drafts.engines import Engine
 
 if TYPE_CHECKING:
     from draftsmith.decode.target import Target
@@ -42,9 +43,6 @@ FOREIGN_EAGLE_FIELDS = ("draft_vocab_size", "eagle_config", "eagle_aux_hidden_st
                         "speculators_model_type", "target_hidden_size")  # fmt: skip
 """config.json fields EAGLE heads of other pipelines write and causal LMs do not."""
 
-ENGINES = ("hf", "vllm", "sglang", "speculators", "gguf")
-"""The layouts ``draftsmith export --to`` writes, which a kind's record names in ``exports``/``refusals``."""
-
 DrafterFactory = Callable[["Target", str], Drafter]
 """``(target, argument) -> Drafter``: the argument is a checkpoint directory, or a spec's ``:N`` part."""
 
@@ -62,22 +60,28 @@ class DraftKind:
     family: str
     """How it is stored and served: ``eagle`` (a head on the target's hidden states), ``causal_lm`` (an
     ordinary transformers causal LM), ``medusa``, or ``training-free`` (no checkpoint)."""
-    exports: tuple[str, ...] = ()
-    """``draftsmith export --to`` engines it has a layout for."""
-    refusals: dict[str, str] = field(default_factory=dict)
-    """Engine -> why it cannot be exported there (said as the error)."""
+    exports: tuple[Engine, ...] | None = None
+    """The engines (records, ``drafts/engines.py``) it goes to; None: every engine with a writer for its
+    family that does not refuse the family."""
+    refusal: str = ""
+    """Why it cannot go to the engines ``exports`` leaves out (said as the error)."""
     target_key: str = "target"
     """Where its config.json records the target it was trained for."""
 
-    def refuse_export(self, engine: str) -> None:
-        """Raise the reason ``engine`` cannot take this kind, if it cannot."""
-        if engine not in self.exports:
-            why = (
-                self.refusals.get(engine)
-                or self.refusals.get("*")
-                or f"draftsmith has no {engine} layout for it"
-            )
-            raise ValueError(f"--to {engine} cannot take a {self.title} ({self.name}): {why}")
+    def refusal_by(self, engine: Engine) -> str | None:
+        """Why ``engine`` cannot take this kind, by the kind's record or the engine's; None if neither refuses
+        (whether a writer exists is the export package's to say: ``draftsmith.export.refusal``)."""
+        if self.exports is not None and engine not in self.exports:
+            return self.refusal or f"draftsmith has no {engine.name} layout for a {self.title}"
+        if self.family in engine.refuses:
+            return engine.refuses[self.family]
+        return None
+
+    def refuse_export(self, engine: Engine) -> None:
+        """Raise why ``engine`` cannot take this kind by the two records, if it cannot."""
+        why = self.refusal_by(engine)
+        if why is not None:
+            raise ValueError(f"--to {engine.name} cannot take a {self.title} ({self.name}): {why}")
 
 
 KIND_MODULES = {

@@ -259,7 +259,4 @@ def _build(target, spec: str) -> ModelDrafter:
     return ModelDrafter(model, name=name)
 
 
-register(DraftKind(DISTILL, "distilled small draft", _build, "causal_lm",
-                   exports=("hf", "vllm", "sglang", "gguf"), target_key=TARGET_KEY, refusals={"speculators": (
-                       "the speculators format holds EAGLE-3 heads; a distilled draft is an ordinary causal LM: "
-                       "export it with --to vllm (vLLM's draft_model method loads the transformers directory)")}))  # fmt: skip
+register(DraftKind(DISTILL, "distilled small draft", _build, "causal_lm", target_key=TARGET_KEY))  # every engine

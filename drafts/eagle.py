@@ -29,9 +29,10 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.features import LAYER_ID_CONVENTION, resolve_layer_ids
-from draftsmith.drafts.base import DRAFT_KIND_KEY, ENGINES, DraftKind, register
+from draftsmith.drafts.base import DRAFT_KIND_KEY, DraftKind, register
 from draftsmith.drafts.base import check_target as check_draft_target
 from draftsmith.drafts.eagle_drafter import EagleDrafter
+from draftsmith.drafts.engines import HF
 
 EAGLE1 = "eagle1"
 """The kind name of an EAGLE-1 head."""
@@ -510,10 +511,7 @@ def _build(target, path: str) -> Drafter:
     return EagleDrafter(load_head(target, path), name=f"eagle:{Path(path).name}")
 
 
-register(DraftKind(EAGLE3, "EAGLE-3 head", _build, "eagle",
-                   exports=ENGINES))  # fmt: skip
-register(DraftKind(EAGLE1, "EAGLE-1 head", _build, "eagle",
-                   exports=("hf",), refusals={engine: (
-                       "draftsmith's EAGLE-1 head keeps its first layer's input norm and reads the target's final "
-                       "norm, which the engines' EAGLE-1 loaders do not; train an eagle3 head, or use this one with "
-                       "`draftsmith eval`") for engine in ENGINES[1:]}))  # fmt: skip
+register(DraftKind(EAGLE3, "EAGLE-3 head", _build, "eagle"))  # every engine with an EAGLE-3 layout
+register(DraftKind(EAGLE1, "EAGLE-1 head", _build, "eagle", exports=(HF,), refusal=(
+    "draftsmith's EAGLE-1 head keeps its first layer's input norm and reads the target's final norm, which the "
+    "engines' EAGLE-1 loaders do not; train an eagle3 head, or use this one with `draftsmith eval`")))  # fmt: skip

@@ -35,13 +35,11 @@ from draftsmith.decode.drafter import Drafter
 from draftsmith.drafts.base import PEER_EAGLE3, DraftKind, register
 from draftsmith.drafts.eagle import EagleConfig, EagleHead
 from draftsmith.drafts.eagle_drafter import EagleDrafter
+from draftsmith.drafts.engines import MODELOPT, REFERENCE_EAGLE3, SPECULATORS, Engine, read_layouts
 
-LAYOUTS = {
-    "reference": "reference EAGLE-3 (SafeAILab/EAGLE; SpecForge and SGLang exports)",
-    "modelopt": "NVIDIA ModelOpt export",
-    "speculators": "speculators format",
-}
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+SPECULATORS_EAGLE3 = "eagle3"
+"""``speculators_model_type`` of an EAGLE-3 head (speculators' own name, not a draftsmith kind)."""
 SPECULATORS_ARCHITECTURES = ("Eagle3DraftModel", "Eagle3Speculator")
 MODELOPT_EAGLE_FIELDS = ("use_input_layernorm_in_first_layer", "use_last_layernorm", "use_mtp_layernorm",
                          "next_layer_regular", "parallel_draft_step")  # fmt: skip
@@ -82,22 +80,38 @@ def seen_fields(config: dict, tensors: dict[str, torch.Tensor]) -> str:
     return f"architectures {config.get('architectures')!r}, config fields {sorted(config)}, tensors {names}"
 
 
-def detect_layout(config: dict, tensors: dict[str, torch.Tensor]) -> str:
-    """Which known layout a head directory is in (a key of ``LAYOUTS``); an error naming the fields seen."""
+def is_speculators(config: dict, tensors: dict[str, torch.Tensor]) -> bool:
     arch = config.get("architectures") or []
     if config.get("speculators_model_type") or any(a in SPECULATORS_ARCHITECTURES for a in arch):
-        if config.get("speculators_model_type", "eagle3") != "eagle3":
+        if config.get("speculators_model_type", SPECULATORS_EAGLE3) != SPECULATORS_EAGLE3:
             raise HeadImportError(
                 f"speculators_model_type {config['speculators_model_type']!r} is not an EAGLE-3 head"
             )
-        return "speculators"
-    if "fc.weight" in tensors and any(n.startswith("midlayer.") for n in tensors):
-        return "reference"  # the SafeAILab checkpoints say LlamaForCausalLM, SpecForge LlamaForCausalLMEagle3
+        return True
+    return False
+
+
+def is_reference(config: dict, tensors: dict[str, torch.Tensor]) -> bool:
+    # the SafeAILab checkpoints say LlamaForCausalLM, SpecForge LlamaForCausalLMEagle3
+    return "fc.weight" in tensors and any(n.startswith("midlayer.") for n in tensors)
+
+
+def is_modelopt(config: dict, tensors: dict[str, torch.Tensor]) -> bool:
     eagle = config.get("eagle_config") or {}
-    if EAGLE3_ARCHITECTURE in arch and (
+    return EAGLE3_ARCHITECTURE in (config.get("architectures") or []) and (
         any(key in eagle for key in MODELOPT_EAGLE_FIELDS) or any(n.startswith("layers.0.") for n in tensors)
-    ):
-        return "modelopt"
+    )
+
+
+SPECULATORS.detect, REFERENCE_EAGLE3.detect, MODELOPT.detect = is_speculators, is_reference, is_modelopt
+
+
+def detect_layout(config: dict, tensors: dict[str, torch.Tensor]) -> Engine:
+    """Which known layout (its record, ``drafts/engines.py``) a head directory is in; an error naming the
+    fields seen otherwise."""
+    for layout in read_layouts():
+        if layout.detect(config, tensors):
+            return layout
     raise HeadImportError(
         "not an EAGLE-3 layout draftsmith knows (the reference/SpecForge/SGLang layout, ModelOpt's export, the "
         f"speculators format); seen: {seen_fields(config, tensors)}"
@@ -115,23 +129,23 @@ def engine_guesses(n_layers: int) -> str:
     )
 
 
-def layer_ids(config: dict, layout: str, n_layers: int, notes: list[str]) -> list[int]:
+def layer_ids(config: dict, layout: Engine, n_layers: int, notes: list[str]) -> list[int]:
     """The target layers the head reads, as draftsmith ids (output of layer i, 0-based), ascending."""
     nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     top = config.get("eagle_aux_hidden_state_layer_ids")
-    if layout == "reference" and None not in (nested, top) and nested != [i - 1 for i in top]:
+    if layout is REFERENCE_EAGLE3 and None not in (nested, top) and nested != [i - 1 for i in top]:
         raise HeadImportError(
             f"eagle_config.eagle_aux_hidden_state_layer_ids {nested} (SGLang's: output of layer i) and the top-level "
             f"eagle_aux_hidden_state_layer_ids {top} (vLLM's: input of layer L) name different layers"
         )
-    if layout == "speculators" or (layout == "reference" and nested is None and top is not None):
+    if layout is SPECULATORS or (layout is REFERENCE_EAGLE3 and nested is None and top is not None):
         field, given, shift = "eagle_aux_hidden_state_layer_ids", top, -1  # vLLM: id L = input of layer L
     else:
         field, given, shift = "eagle_config.eagle_aux_hidden_state_layer_ids", nested, 0
     if given is None:
-        if layout != "reference":
+        if layout is not REFERENCE_EAGLE3:
             raise HeadImportError(
-                f"the head names no target layers ({field} is missing) and the {LAYOUTS[layout]} has no default "
+                f"the head names no target layers ({field} is missing) and the {layout.title} has no default "
                 f"to read instead; {engine_guesses(n_layers)}. Each would be a guess: write the ids the head was "
                 f"trained on into {field} and load it again"
             )
@@ -154,10 +168,10 @@ def layer_ids(config: dict, layout: str, n_layers: int, notes: list[str]) -> lis
     return sorted(ids)
 
 
-def decoder_shape(config: dict, layout: str, notes: list[str]) -> dict:
+def decoder_shape(config: dict, layout: Engine, notes: list[str]) -> dict:
     """The head's one Llama decoder layer shape as EagleConfig fields, each read from the config."""
-    c = config.get("transformer_layer_config") if layout == "speculators" else config
-    where = "transformer_layer_config." if layout == "speculators" else ""
+    c = config.get("transformer_layer_config") if layout is SPECULATORS else config
+    where = "transformer_layer_config." if layout is SPECULATORS else ""
     if not isinstance(c, dict):
         raise HeadImportError("transformer_layer_config is missing: the decoder's shape is not recorded")
     if c.get("model_type", "llama") != "llama":
@@ -179,7 +193,7 @@ def decoder_shape(config: dict, layout: str, notes: list[str]) -> dict:
     scaling = c.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"}
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
-        if layout == "modelopt" and kind == "yarn" and "rope_theta" not in scaling:
+        if layout is MODELOPT and kind == "yarn" and "rope_theta" not in scaling:
             notes.append("rope_scaling (YaRN, added by ModelOpt's export for long-context serving) left out: "
                          "the head was trained with plain RoPE")  # fmt: skip
         else:
@@ -206,16 +220,16 @@ def decoder_shape(config: dict, layout: str, notes: list[str]) -> dict:
     }
 
 
-def variant_options(config: dict, layout: str) -> dict:
+def variant_options(config: dict, layout: Engine) -> dict:
     """The head's EAGLE-3 variant (EagleConfig options); a variant draftsmith cannot run is refused by name."""
-    if layout == "speculators":
+    if layout is SPECULATORS:
         if config.get("fc_norm"):
             raise HeadImportError("fc_norm is true (one RMSNorm per captured state before fc): draftsmith's head has "
                                "no per-layer norms there; norm_before_fc (one norm over all of them) it has")  # fmt: skip
         return {
             key: bool(config.get(key)) for key in ("norm_before_residual", "norm_before_fc", "norm_output")
         }
-    if layout == "reference":
+    if layout is REFERENCE_EAGLE3:
         if config.get("fc_norm"):
             raise HeadImportError(
                 "fc_norm is true (SpecForge's per-layer norms before fc): draftsmith's head has none"
@@ -263,10 +277,10 @@ def vocab_maps(
 
 
 def head_state(
-    tensors: dict[str, torch.Tensor], layout: str, n_layers: int, options: dict
+    tensors: dict[str, torch.Tensor], layout: Engine, n_layers: int, options: dict
 ) -> dict[str, torch.Tensor]:
     """The layout's tensors under EagleHead's names; every tensor is used, every needed one found."""
-    first = "midlayer." if layout == "reference" else "layers.0."
+    first = "midlayer." if layout is REFERENCE_EAGLE3 else "layers.0."
     names = {"fc.weight": "fuse_features.weight", "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight",
              first + "input_layernorm.weight": "layers.0.layer.input_layernorm.weight",
              first + "hidden_norm.weight": "layers.0.feature_norm.weight"}  # fmt: skip
@@ -281,7 +295,7 @@ def head_state(
     unknown = sorted(set(tensors) - set(names) - optional)
     missing = sorted(set(names) - set(tensors))
     if unknown or missing:
-        raise HeadImportError(f"the {LAYOUTS[layout]}'s tensors do not match a {n_layers}-layer head: not mapped "
+        raise HeadImportError(f"the {layout.title}'s tensors do not match a {n_layers}-layer head: not mapped "
                            f"{unknown}, missing {missing}")  # fmt: skip
     return {ours: tensors[theirs].float() for theirs, ours in names.items()}
 
@@ -294,7 +308,7 @@ def import_head(target, path: str | Path) -> EagleHead:
     notes: list[str] = []
     shape = decoder_shape(config, layout, notes)
     tcfg, V = target.config, target.vocab_size
-    what = f"the {LAYOUTS[layout]} head in {path}"
+    what = f"the {layout.title} head in {path}"
     hidden = shape["hidden_size"]
     target_hidden = config.get("target_hidden_size") or hidden
     if target_hidden != tcfg.hidden_size or hidden != tcfg.hidden_size:
@@ -333,7 +347,7 @@ def import_head(target, path: str | Path) -> EagleHead:
     order = d2t.argsort()  # draftsmith keeps the draft ids in ascending target-id order
     state["lm_head.weight"], state["d2t"], state["t2d"] = state["lm_head.weight"][order], d2t[order], t2d
     record = {
-        "layout": layout,
+        "layout": layout.name,
         "path": str(path),
         "architectures": config.get("architectures"),
         "notes": notes,
@@ -350,4 +364,4 @@ def _build(target, path: str) -> Drafter:
 
 
 register(DraftKind(PEER_EAGLE3, "EAGLE-3 head from another pipeline", _build, "eagle", target_key="target",
-                   refusals={"*": "export needs the head read for its target first: pass --target"}))  # fmt: skip
+                   exports=(), refusal="export needs the head read for its target first: pass --target"))  # fmt: skip

@@ -57,4 +57,4 @@ def _build(target, arg: str) -> Drafter:
 
 
 register(DraftKind("layers", "layer-subset drafter", _build, "training-free",
-                   refusals={"*": "it is the target's own first layers: nothing to export"}))  # fmt: skip
+                   refusal="it is the target's own first layers: nothing to export"))  # fmt: skip

@@ -32,6 +32,7 @@ from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.tree import DraftTree, TreeBuilder, TreeSpec
 from draftsmith.drafts.base import DRAFT_KIND_KEY, DraftKind, check_target, register
 from draftsmith.drafts.eagle import copy_final_norm
+from draftsmith.drafts.engines import HF
 
 MEDUSA = "medusa"
 """The kind name of a Medusa draft."""
@@ -245,5 +246,4 @@ NO_ENGINE_LOADER = (
     "none), and llama.cpp has no Medusa graph; use the heads with `draftsmith eval`, or export them with --to hf"
 )
 register(DraftKind(MEDUSA, "Medusa draft", _build, "medusa",
-                   exports=("hf",), refusals=dict.fromkeys(("vllm", "sglang", "speculators", "gguf"),
-                                                             NO_ENGINE_LOADER)))  # fmt: skip
+                   exports=(HF,), refusal=NO_ENGINE_LOADER))  # fmt: skip

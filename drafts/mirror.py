@@ -22,9 +22,10 @@ from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.mirror import Grid, MirrorSettings
 from draftsmith.decode.sampling import Sampling, to_probs
 from draftsmith.decode.target import rollback_cache
-from draftsmith.drafts.base import ENGINES, DraftKind, register
+from draftsmith.drafts.base import DraftKind, register
 from draftsmith.drafts.eagle import EagleHead, load_head
 from draftsmith.drafts.eagle_drafter import EagleDrafter
+from draftsmith.drafts.engines import HF
 
 MIRROR = "mirror"
 """The kind name of a mirror draft."""
@@ -117,11 +118,8 @@ register(
         "mirror draft (EAGLE-3 head on the target's early exit)",
         _build,
         "eagle",
-        exports=("hf",),
-        refusals={
-            engine: "no serving engine runs mirror decoding (early-exit candidates and branch reuse); evaluate "
-            "it with `draftsmith eval`, or train an eagle3 head for serving"
-            for engine in ENGINES[1:]
-        },
+        exports=(HF,),
+        refusal="no serving engine runs mirror decoding (early-exit candidates and branch reuse); evaluate it "
+        "with `draftsmith eval`, or train an eagle3 head for serving",
     )
 )

@@ -96,7 +96,7 @@ def _build(target, arg: str) -> Drafter:
 
 
 register(DraftKind("ngram", "n-gram drafter", _build, "training-free",
-                   refusals={"*": "it is training-free: serve with the engine's own n-gram drafting"}))  # fmt: skip
+                   refusal="it is training-free: serve with the engine's own n-gram drafting"))  # fmt: skip
 
 
 class BatchedNgram:

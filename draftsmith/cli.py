@@ -30,7 +30,7 @@ SUBCOMMANDS = {
     ),
     "export": (
         "draftsmith.export.cli",
-        "export a draft in the layout transformers, vLLM, SGLang or llama.cpp loads",
+        "export a draft in the layout a serving engine loads (the engines: `draftsmith export --help`)",
     ),
     "quickstart": (
         "draftsmith.quickstart",

@@ -37,7 +37,6 @@ KNOWN_UPWARD_STRINGS = {
 KNOWN_CIRCLES = {
     frozenset({"draftsmith.decode.drafter", "draftsmith.decode.mirror", "draftsmith.decode.speculative"}),
     frozenset({"draftsmith.drafts.eagle", "draftsmith.drafts.eagle_drafter"}),
-    frozenset({"draftsmith.export.eagle", "draftsmith.export.speculators"}),
 }
 """Circles inside a folder found when the circle check landed; being removed. Empty it, never grow it."""
 

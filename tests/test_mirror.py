@@ -212,8 +212,10 @@ def test_bad_input_is_refused_with_what_to_do():
 
     with pytest.raises(ValueError, match="was trained for target"):
         check_target(drafter.head.config, other)
+    from draftsmith.drafts.engines import VLLM
+
     with pytest.raises(ValueError, match="no serving engine runs mirror decoding"):
-        draft_kind("mirror").refuse_export("vllm")
+        draft_kind("mirror").refuse_export(VLLM)
 
 
 def test_a_saved_mirror_draft_reloads_as_one(tmp_path):

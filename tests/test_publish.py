@@ -20,7 +20,7 @@ from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import distill
 from draftsmith.drafts.base import build_drafter
 from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
-from draftsmith.publish.card import find_report
+from draftsmith.publish.report import find_report
 
 TOKEN = "hf_sentinelTOKENnever0to1be2written"
 RECIPE = "target:\n  spec: tiny\ndata:\n  paths: [prompts.jsonl, org/chat-data]\ndraft:\n  kind: eagle3\n"

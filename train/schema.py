@@ -9,7 +9,6 @@ objective registry. Reading recipes, presets and overrides into this is ``train/
 from __future__ import annotations
 
 import textwrap
-import types
 import typing
 from dataclasses import field, is_dataclass
 from typing import Annotated, Any, Literal
@@ -203,15 +202,9 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
 
 
 def _type_name(tp: Any) -> str:
-    """A key's type as help shows it: ``online|offline``, ``int|null``, ``list[str]``."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Literal:
-        return "|".join(str(a) for a in args)
-    if origin in (typing.Union, types.UnionType):
-        return "|".join("null" if a is type(None) else _type_name(a) for a in args)
-    if isinstance(tp, type) and origin is None:
+    if isinstance(tp, type) and typing.get_origin(tp) is None:
         return tp.__name__
-    return str(tp).replace("typing.", "")
+    return str(tp).replace("typing.", "").replace("NoneType", "None")
 
 
 def _key_help(key: str, info: FieldInfo, indent: str) -> str:

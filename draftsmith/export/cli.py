@@ -1,46 +1,58 @@
-"""``draftsmith export CKPT --to hf|vllm|sglang|speculators|gguf``: the command line of ``draftsmith.export``."""
+"""``draftsmith export CKPT --to ENGINE``: the command line of ``draftsmith.export``; its ``--to`` choices and
+description are generated from the engine records (``drafts/engines.py``) and the kind records."""
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import textwrap
 from pathlib import Path
 
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
-from draftsmith.drafts.base import PEER_EAGLE3
-from draftsmith.export import ENGINES, check_out, export_checkpoint, import_peer_head
+from draftsmith.drafts.base import PEER_EAGLE3, draft_kind, kind_names
+from draftsmith.drafts.engines import export_engines
+from draftsmith.export import check_out, export_checkpoint, import_peer_head
+from draftsmith.export.engines import engine_names, refusal
 
-DESCRIPTION = """\
+INTRO = """\
 Export a draft checkpoint (a `draftsmith train` run directory, its draft/ directory, or a Hub id) in
-the layout an engine loads, then verify the result against what that engine's loader reads.
-
-EAGLE-3 heads (layer ids written in ascending order, fc's columns permuted to match, as engines
-concatenate the captured states in ascending layer order):
-  --to hf           draftsmith's transformers layout (EagleHead.from_pretrained; `draftsmith eval --draft DIR`)
-  --to vllm         LlamaForCausalLMEagle3 with top-level eagle_aux_hidden_state_layer_ids in vLLM's convention
-                    (id L = input of target layer L = draftsmith id + 1); d2t as offsets, and no d2t at all
-                    for a full draft vocabulary (vLLM's loader raises on one)
-  --to speculators  Eagle3Speculator (the speculators format vLLM's docs point to), same conventions as vllm
-  --to sglang       LlamaForCausalLMEagle3 with eagle_config.eagle_aux_hidden_state_layer_ids in SGLang's
-                    convention (= draftsmith's: output of layer i) and d2t as offsets
-  --to gguf         one GGUF file in llama.cpp's eagle3 architecture (llama-server --spec-type draft-eagle3);
-                    needs the GGUF of the head's target (--target-gguf; known for smollm2-135m-instruct)
-Distilled small drafts (ordinary causal LMs):
-  --to hf / vllm / sglang   the transformers directory (assistant_model; vLLM/SGLang draft model)
-  --to gguf    one GGUF file for llama.cpp / LM Studio (Llama architecture only)
-Medusa drafts and EAGLE-1 heads: --to hf only (the engines have no loader for them; the error says why)
+the layout an engine loads, then verify the result against what that engine's loader reads. EAGLE-3
+heads are written with their layer ids ascending and fc's columns permuted to match, as engines
+concatenate the captured states in ascending layer order."""
+OUTRO = """\
 EAGLE-3 heads other pipelines wrote (SpecForge/SGLang, ModelOpt, speculators, SafeAILab/EAGLE): give --target;
-  the head is read into draftsmith's layout for it (docs/EXPORT.md, "Reading heads from other pipelines")
-
+the head is read into draftsmith's layout for it (docs/EXPORT.md, "Reading heads from other pipelines").
 Loader versions and conventions: docs/EXPORT.md."""
+
+
+def _wrapped(first: str, text: str, indent: int = 20) -> list[str]:
+    return textwrap.wrap(text, 110, initial_indent=first.ljust(indent), subsequent_indent=" " * indent)
+
+
+def description() -> str:
+    """The engines (what each writes, what it refuses, the version checked) and where each kind goes."""
+    lines = [INTRO, "", "Engines:"]
+    for engine in export_engines():
+        lines += _wrapped(f"  --to {engine.name}", engine.help)
+        lines += _wrapped("", f"checked against {engine.checked}")
+        for family, why in engine.refuses.items():
+            lines += _wrapped("", f"refuses a {family} draft: {why}")
+    lines += ["", "Kinds and the engines that take them:"]
+    for kind in map(draft_kind, kind_names()):
+        takers = [e.name for e in export_engines() if refusal(kind, e) is None]
+        if takers:
+            lines += _wrapped(f"  {kind.name}", ", ".join(takers))
+        elif kind.name != PEER_EAGLE3:  # said below
+            lines += _wrapped(f"  {kind.name}", f"none: {kind.refusal}")
+    return "\n".join([*lines, "", OUTRO])
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register the ``export`` subcommand; ``args.func`` runs it."""
     p = subparsers.add_parser(
         "export",
-        help="export a draft in the layout transformers, vLLM, SGLang or llama.cpp loads",
-        description=DESCRIPTION,
+        help=f"export a draft in the layout {', '.join(e.title for e in export_engines())} loads",
+        description=description(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -48,7 +60,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="CKPT",
         help="run directory, draft directory or Hub id (or, with --verify, an export)",
     )
-    p.add_argument("--to", required=True, choices=ENGINES, help="the engine whose loader the export targets")
+    p.add_argument(
+        "--to", required=True, choices=engine_names(), help="the engine whose loader the export targets"
+    )
     p.add_argument(
         "--out",
         metavar="DIR",

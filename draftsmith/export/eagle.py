@@ -24,6 +24,8 @@ from safetensors.torch import save_file
 from draftsmith import files
 from draftsmith.decode.features import LAYER_ID_CONVENTION
 from draftsmith.draft_checkpoint import DraftCheckpoint
+from draftsmith.drafts.eagle import EAGLE3
+from draftsmith.drafts.engines import GGUF, SGLANG, SPECULATORS, VLLM, engine_named
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 SOURCE_KEY = "draftsmith_source"
@@ -47,28 +49,22 @@ NAME_MAP = {
 }
 
 
-LAYER_ID_SHIFT = {"vllm": 1, "speculators": 1, "gguf": 1, "sglang": 0}
+LAYER_ID_SHIFT = {VLLM.name: 1, SPECULATORS.name: 1, GGUF.name: 1, SGLANG.name: 0}
 """draftsmith id i ("output of layer i") is written as i + shift: vLLM (and speculators checkpoints, which
 vLLM reads), and llama.cpp's ``extract_layers``, count the *input* of layer L; SGLang adds 1 itself."""
-LAST_LAYER_CAPTURED = {"vllm", "speculators"}
+LAST_LAYER_CAPTURED = {VLLM.name, SPECULATORS.name}
 """Engines that can hand the head the output of the target's last decoder layer: vLLM captures it at id
 N (after its layer loop). SGLang captures only layer inputs, and llama.cpp's Llama graph exports layer
 inputs only (id N asks for an embedding a Llama target never sets)."""
 VARIANT_FIELDS = ("norm_before_residual", "norm_before_fc", "norm_output", "feature_input_norm")
 """EagleConfig options of heads from other pipelines (drafts/eagle_import.py)."""
-VARIANTS_CARRIED = {"gguf": ("norm_before_residual", "norm_before_fc")}
+VARIANTS_CARRIED = {GGUF.name: ("norm_before_residual", "norm_before_fc")}
 """The variants an engine's layout carries: llama.cpp's eagle3 graph reads ``eagle3.norm_before_residual``
 and ``eagle3.norm_before_fc`` (with ``enc.output_norm.weight``). The others are refused for every engine."""
 VARIANT_REASONS = {
     "norm_output": "llama.cpp feeds the pre-norm state back to the next draft step, this head the normed one",
     "feature_input_norm": "llama.cpp norms the fused feature with hidden_norm alone, this head with "
     "input_layernorm first",
-}
-ENGINE_NAMES = {
-    "vllm": "vLLM",
-    "speculators": "vLLM (speculators format)",
-    "sglang": "SGLang",
-    "gguf": "llama.cpp",
 }
 
 
@@ -83,13 +79,13 @@ def drops_vocab_map(config: dict, engine: str) -> bool:
     """True where the engine must get no ``d2t``: vLLM creates its draft→target map only when the draft
     vocabulary is smaller than the target's, and its loader raises on a ``d2t`` it has no parameter
     for; llama.cpp treats a missing ``d2t`` as "the target's vocabulary". SGLang reads an identity map."""
-    return engine != "sglang" and config["draft_vocab_size"] == config["vocab_size"]
+    return engine != SGLANG.name and config["draft_vocab_size"] == config["vocab_size"]
 
 
 def check_exportable(config: dict, engine: str) -> None:
     """Refuse heads the engine's EAGLE-3 loader cannot represent, with the reason."""
-    name = ENGINE_NAMES.get(engine, engine)
-    if config.get("preset") != "eagle3":
+    name = engine_named(engine).title
+    if config.get("preset") != EAGLE3:
         raise ValueError(
             f"only EAGLE-3 heads export to {engine}; this head is preset {config.get('preset')!r} (draftsmith's "
             "EAGLE-1 head keeps the first layer's input norm and reads the target's norm, which the engines' "
@@ -224,7 +220,7 @@ def reference_config(config: dict, engine: str, dtype: torch.dtype) -> dict:
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     ids = engine_layer_ids(sorted(config["capture_layer_ids"]), engine)
-    if engine == "vllm":
+    if engine == VLLM.name:
         out["eagle_aux_hidden_state_layer_ids"] = ids
         out["norm_before_residual"] = False  # the residual is the fused feature before hidden_norm
     else:
@@ -251,23 +247,20 @@ def source_record(config: dict, engine: str) -> dict:
     return record
 
 
-def export_eagle(ckpt: DraftCheckpoint, out: Path, engine: str) -> Path:
-    """Write ``ckpt`` (an EAGLE head) as the folder ``out`` for ``engine`` (vllm, sglang, speculators)."""
-    if ckpt.kind.family != "eagle":
-        raise ValueError(f"{ckpt.draft_dir} is a {ckpt.kind.title}, not an EAGLE head")
-    check_exportable(ckpt.config, engine)
-    weights = reference_weights(read_weights(ckpt.draft_dir), ckpt.config, engine)
-    dtype = weights["fc.weight"].dtype
-    if engine == "speculators":
-        from draftsmith.export.speculators import speculators_config, speculators_weights
-
-        config = speculators_config(ckpt.config, dtype, source_record(ckpt.config, engine))
-        weights = speculators_weights(weights)
-    else:
-        config = reference_config(ckpt.config, engine, dtype)
+def write_folder(out: Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
+    """An engine's EAGLE-3 folder: its config.json and one model.safetensors, replacing ``out`` whole."""
 
     def fill(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
 
     return files.replace_dir(out, fill)
+
+
+def export_eagle(ckpt: DraftCheckpoint, out: Path, engine: str) -> Path:
+    """Write ``ckpt`` (an EAGLE head) as the folder ``out`` in the reference layout for ``engine`` (vllm, sglang)."""
+    if ckpt.kind.family != "eagle":
+        raise ValueError(f"{ckpt.draft_dir} is a {ckpt.kind.title}, not an EAGLE head")
+    check_exportable(ckpt.config, engine)
+    weights = reference_weights(read_weights(ckpt.draft_dir), ckpt.config, engine)
+    return write_folder(out, reference_config(ckpt.config, engine, weights["fc.weight"].dtype), weights)

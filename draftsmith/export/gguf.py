@@ -34,6 +34,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from draftsmith import files
+from draftsmith.draft_checkpoint import DraftCheckpoint
+from draftsmith.drafts.engines import GGUF
 from draftsmith.export.eagle import (
     NAME_MAP,
     ascending_capture,
@@ -41,6 +43,8 @@ from draftsmith.export.eagle import (
     engine_layer_ids,
     read_weights,
 )
+from draftsmith.export.engines import CardContext, ExportOptions
+from draftsmith.export.gguf_verify import EAGLE3_ARCH, verify
 from draftsmith.loading import read_gguf
 
 QTYPES = {
@@ -375,7 +379,7 @@ def check_target_gguf(source: Path, target: dict) -> list[tuple]:
     """The tokenizer fields of ``source`` after checking it is a GGUF of the head's target ``target``."""
     reader = read_gguf(source, TARGET_GGUF_FIX)
     arch = reader.fields["general.architecture"].contents()
-    if arch == "eagle3":
+    if arch == EAGLE3_ARCH:
         raise ValueError(
             f"{source} is an EAGLE-3 head, not its target; pass the target's GGUF with --target-gguf"
         )
@@ -405,15 +409,15 @@ def check_target_gguf(source: Path, target: dict) -> list[tuple]:
 
 
 def write_eagle3_gguf(config: dict, weights: dict[str, torch.Tensor], out_file: str | Path, target_gguf: Path,
-                      dtype: str = "f16", name: str = "eagle3") -> Path:  # fmt: skip
+                      dtype: str = "f16", name: str = EAGLE3_ARCH) -> Path:  # fmt: skip
     """Write an EAGLE-3 head (its ``config.json`` as a dict and its tensors) as a llama.cpp ``eagle3``
     GGUF; ``target_gguf`` is the GGUF of its target, whose tokenizer it copies after checking the pair."""
     _check_dtype(dtype)
-    check_exportable(config, "gguf")
+    check_exportable(config, GGUF.name)
     tokenizer_fields = check_target_gguf(Path(target_gguf), config["target"])
     tensors = eagle3_tensors(weights, config)
     hparams = {**config, "num_hidden_layers": 1}
-    layer_ids = engine_layer_ids(sorted(config["capture_layer_ids"]), "gguf")
+    layer_ids = engine_layer_ids(sorted(config["capture_layer_ids"]), GGUF.name)
 
     def fill(writer: gguf.GGUFWriter) -> None:
         writer.add_name(name)
@@ -433,4 +437,84 @@ def write_eagle3_gguf(config: dict, weights: dict[str, torch.Tensor], out_file: 
             else:
                 _add_tensor(writer, tensor_name, tensor, dtype)
 
-    return _write_file(Path(out_file), "eagle3", fill)
+    return _write_file(Path(out_file), EAGLE3_ARCH, fill)
+
+
+def target_gguf_of(ckpt: DraftCheckpoint, given: str | None) -> Path | None:
+    """The GGUF of the draft's target: --target-gguf, the bundled SmolLM2 GGUF for its drafts, a target
+    recorded as a .gguf file, else None."""
+    if given:
+        if not Path(given).is_file():
+            raise FileNotFoundError(f"--target-gguf {given} does not exist")
+        return Path(given)
+    from draftsmith.loading import SMOLLM2_ALIAS, smollm2_gguf_path
+
+    name = str(ckpt.target.get("name") or "")
+    if name == SMOLLM2_ALIAS:
+        return smollm2_gguf_path()
+    if name.endswith(".gguf") and Path(name).is_file():
+        return Path(name)
+    return None
+
+
+def gguf_file(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
+    """``out`` if it names a .gguf file, else a file named after the run in the folder ``out``; what a killed
+    export of that file left beside it is removed."""
+    if out.suffix == GGUF.file_suffix:
+        return out
+    file = out / f"{(ckpt.run_dir or ckpt.draft_dir).resolve().name}-{options.gguf_dtype}{GGUF.file_suffix}"
+    files.remove_stale(file.parent, file.name)
+    return file
+
+
+def write_head(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
+    check_exportable(ckpt.config, GGUF.name)
+    source = target_gguf_of(ckpt, options.target_gguf)
+    if source is None:
+        raise ValueError(
+            f"the head's target {ckpt.target.get('name')!r} has no GGUF that draftsmith knows; llama.cpp "
+            "serves an EAGLE-3 head only beside a GGUF of its target. Convert the target with llama.cpp's "
+            "convert_hf_to_gguf.py and pass it with --target-gguf FILE."
+        )
+    name = (ckpt.run_dir or ckpt.draft_dir).resolve().name
+    file = gguf_file(ckpt, out, options)
+    return write_eagle3_gguf(
+        ckpt.config, read_weights(ckpt.draft_dir), file, source, options.gguf_dtype, name
+    )
+
+
+def write_draft(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
+    file = gguf_file(ckpt, out, options)
+    return write_gguf(ckpt.draft_dir, file, options.gguf_dtype, target_gguf_of(ckpt, options.target_gguf))
+
+
+def usage(card: CardContext) -> list[str]:
+    """llama-server as draftsmith's engine benchmark runs it; a causal LM only in the Llama architecture."""
+    if card.kind.family == "causal_lm" and card.config.get("model_type") != "llama":
+        return []
+    eagle = card.kind.family == "eagle"
+    export, spec, draft = (
+        (
+            "--out head.gguf  # --target-gguf TARGET.gguf unless draftsmith knows it",
+            "draft-eagle3",
+            "head.gguf",
+        )
+        if eagle
+        else ("--gguf-dtype q8_0 --out draft.gguf", "draft-simple", "draft.gguf")
+    )
+    return [
+        "### llama.cpp / LM Studio",
+        "",
+        "```bash",
+        f"draftsmith export {card.repo_id} --to gguf {export}",
+        f"llama-server -m TARGET.gguf --spec-type {spec} --spec-draft-model {draft} --spec-draft-n-max {card.k}",
+        "```",
+        "",
+        "(the command draftsmith's engine benchmark runs; add `--no-repack` on CPUs with AMX, "
+        "ggml-org/llama.cpp#20824)",
+        "",
+    ]
+
+
+GGUF.writers.update({"eagle": write_head, "causal_lm": write_draft})
+GGUF.verify, GGUF.usage = verify, usage

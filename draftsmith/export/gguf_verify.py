@@ -30,6 +30,8 @@ HPARAM_KEYS = (
 """Keys (after the architecture prefix) llama.cpp reads for every decoder."""
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type")
 EAGLE3_KEYS = ("eagle3.target_layers", "eagle3.target_hidden_size")
+EAGLE3_ARCH = "eagle3"
+"""llama.cpp's architecture name for an EAGLE-3 head (``general.architecture``; llama.cpp's, not a kind)."""
 
 
 def _layer_shapes(i: int, H: int, heads: int, kv_heads: int, hd: int, ff: int, attn_in: int) -> dict:
@@ -55,12 +57,12 @@ def verify_gguf(path: Path) -> list[str]:
     reader = read_gguf(found[0], "Export it again")  # a cut-short file: one line naming it
     fields = reader.fields
     arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
-    if arch not in ("llama", "eagle3"):
+    if arch not in ("llama", EAGLE3_ARCH):
         return [
             f"general.architecture must be 'llama' (a draft model) or 'eagle3' (an EAGLE-3 head), got {arch!r}"
         ]
     required = [f"{arch}.{k}" for k in HPARAM_KEYS] + list(TOKENIZER_KEYS)
-    required += list(EAGLE3_KEYS) if arch == "eagle3" else []
+    required += list(EAGLE3_KEYS) if arch == EAGLE3_ARCH else []
     problems = [f"metadata {k} missing (the loader would guess it)" for k in required if k not in fields]
     if problems:
         return problems
@@ -143,3 +145,8 @@ def _check_d2t(d2t, vocab: int) -> list[str]:
     if np.unique(ids).size != ids.size:
         return ["d2t maps two draft ids to one target id"]
     return []
+
+
+def verify(path: Path) -> tuple[str, list[str]]:
+    """The ``gguf`` engine's verifier (registered by ``gguf.py``)."""
+    return "GGUF file", verify_gguf(path)

@@ -12,11 +12,28 @@ feature before ``hidden_norm``). Tensors are named ``layers.0.*`` (not the refer
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from draftsmith.export.eagle import SOURCE_KEY, decoder_fields, engine_layer_ids
+from draftsmith.draft_checkpoint import DraftCheckpoint
+from draftsmith.drafts.engines import SPECULATORS
+from draftsmith.export.eagle import (
+    SOURCE_KEY,
+    check_exportable,
+    decoder_fields,
+    engine_layer_ids,
+    read_weights,
+    reference_weights,
+    source_record,
+    write_folder,
+)
+from draftsmith.export.engines import CardContext, ExportOptions
+from draftsmith.export.verify import read_export_config, verify_speculators
 
 ARCHITECTURE = "Eagle3Speculator"
+ALGORITHM = "eagle3"
+"""``speculators_model_type`` and ``algorithm`` of an EAGLE-3 head: speculators' name for it."""
 SCHEMA_VERSION = "0.9.0"
 """The speculators release whose ``Eagle3SpeculatorConfig`` this layout follows."""
 SPECULATIVE_TOKENS = 5
@@ -37,10 +54,10 @@ def speculators_config(config: dict, dtype: torch.dtype, source: dict) -> dict:
     target = config["target"]
     return {
         "architectures": [ARCHITECTURE],
-        "speculators_model_type": "eagle3",
+        "speculators_model_type": ALGORITHM,
         "speculators_version": SCHEMA_VERSION,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": ALGORITHM,
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
@@ -60,7 +77,7 @@ def speculators_config(config: dict, dtype: torch.dtype, source: dict) -> dict:
         "fc_norm": False,
         "norm_output": False,
         "eagle_aux_hidden_state_layer_ids": engine_layer_ids(
-            sorted(config["capture_layer_ids"]), "speculators"
+            sorted(config["capture_layer_ids"]), SPECULATORS.name
         ),
         "torch_dtype": str(dtype).removeprefix("torch."),
         SOURCE_KEY: source,
@@ -73,3 +90,28 @@ def speculators_weights(reference: dict[str, torch.Tensor]) -> dict[str, torch.T
         ("layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name): tensor
         for name, tensor in reference.items()
     }
+
+
+def write_speculators(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
+    """The EAGLE head ``ckpt`` as an ``Eagle3Speculator`` folder."""
+    check_exportable(ckpt.config, SPECULATORS.name)
+    weights = reference_weights(read_weights(ckpt.draft_dir), ckpt.config, SPECULATORS.name)
+    source = source_record(ckpt.config, SPECULATORS.name)
+    config = speculators_config(ckpt.config, weights["fc.weight"].dtype, source)
+    return write_folder(out, config, speculators_weights(weights))
+
+
+def verify(folder: Path) -> tuple[str, list[str]]:
+    read_export_config(folder)
+    return "EAGLE-3 head (speculators format)", verify_speculators(folder)
+
+
+def usage(card: CardContext) -> list[str]:
+    return [
+        f"vLLM also reads the speculators format: `draftsmith export {card.repo_id} --to speculators`.",
+        "",
+    ]
+
+
+SPECULATORS.writers["eagle"] = write_speculators
+SPECULATORS.verify, SPECULATORS.usage = verify, usage

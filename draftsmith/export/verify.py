@@ -20,6 +20,9 @@ import torch
 from safetensors import safe_open
 
 from draftsmith import files
+from draftsmith.drafts.eagle import EAGLE3
+from draftsmith.drafts.engines import HF, SGLANG, SPECULATORS, VLLM, Engine
+from draftsmith.export.engines import engine_of
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 EXPORT_FIX = "Export it again from its checkpoint (`draftsmith export CKPT --to ENGINE --overwrite`)"
@@ -35,6 +38,8 @@ DECODER_INTS = (
 )
 """Integer fields of the head's decoder layer the loaders build it from."""
 HEAD_INTS = ("target_hidden_size", "draft_vocab_size")
+SPECULATORS_ALGORITHM = "eagle3"
+"""``speculators_model_type`` of an EAGLE-3 head in speculators' own config (vLLM reads it)."""
 
 # Causal-LM architectures both engines register as draft models (vLLM models/registry.py
 # _TEXT_GENERATION_MODELS, SGLang models/*.py EntryClass), for the tiny families draftsmith tests.
@@ -49,7 +54,7 @@ _CAUSAL_LM_DRAFTS = frozenset(
         "Phi3ForCausalLM",
     }
 )
-DRAFT_ARCHITECTURES = {"vllm": _CAUSAL_LM_DRAFTS, "sglang": _CAUSAL_LM_DRAFTS}
+DRAFT_ARCHITECTURES = {VLLM.name: _CAUSAL_LM_DRAFTS, SGLANG.name: _CAUSAL_LM_DRAFTS}
 
 
 class ExportVerificationError(ValueError):
@@ -85,7 +90,7 @@ def _eagle3_expected_shapes(c: dict, engine: str, layer: str = "midlayer.") -> d
             "mlp.down_proj.weight": (H, ffn),
         }.items()
     }
-    if engine == "sglang" or c["draft_vocab_size"] != c["vocab_size"]:
+    if engine == SGLANG.name or c["draft_vocab_size"] != c["vocab_size"]:
         shapes |= {"d2t": (c["draft_vocab_size"],), "t2d": (c["vocab_size"],)}
     return shapes
 
@@ -103,7 +108,7 @@ def _check_layer_ids(config: dict, engine: str, problems: list[str]) -> None:
     """The aux layer ids sit where ``engine`` reads them, in its convention, ascending, within the target."""
     top = config.get("eagle_aux_hidden_state_layer_ids")
     nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if engine in ("vllm", "speculators"):
+    if engine in (VLLM.name, SPECULATORS.name):
         ids, where, shift = top, "eagle_aux_hidden_state_layer_ids", 1
         if nested is not None:
             problems.append(
@@ -131,7 +136,7 @@ def _check_layer_ids(config: dict, engine: str, problems: list[str]) -> None:
     n_layers = (source.get("target") or {}).get("num_hidden_layers")
     if n_layers is not None:
         last = (
-            n_layers - 1 if engine in ("vllm", "speculators") else n_layers - 2
+            n_layers - 1 if engine in (VLLM.name, SPECULATORS.name) else n_layers - 2
         )  # vLLM also captures after its loop
         lo, hi = shift, last + shift
         bad = [i for i in ids if not lo <= i <= hi]
@@ -185,7 +190,7 @@ def verify_eagle3_engine(folder: Path, engine: str) -> list[str]:
             problems.append(
                 f"config field {key} missing or not an integer: the loader would fall back to a default"
             )
-    if engine == "vllm" and config.get("norm_before_residual") is not False:
+    if engine == VLLM.name and config.get("norm_before_residual") is not False:
         problems.append(
             "norm_before_residual must be false: the residual is the fused feature before hidden_norm"
         )
@@ -260,7 +265,7 @@ def verify_speculators(folder: Path) -> list[str]:
     """Problems an ``Eagle3Speculator`` export has for vLLM's speculators reader (configs/speculators)."""
     config = files.read_json(folder / "config.json", EXPORT_FIX)
     problems: list[str] = []
-    if config.get("speculators_model_type") != "eagle3":
+    if config.get("speculators_model_type") != SPECULATORS_ALGORITHM:
         problems.append(
             f"speculators_model_type must be 'eagle3', got {config.get('speculators_model_type')!r}"
         )
@@ -287,11 +292,11 @@ def verify_speculators(folder: Path) -> list[str]:
     for key in ("norm_before_fc", "fc_norm", "norm_output"):
         if config.get(key):
             problems.append(f"{key} is true, but the head has no such norm")
-    _check_layer_ids(config, "speculators", problems)
+    _check_layer_ids(config, SPECULATORS.name, problems)
     if any(p.startswith("config field") for p in problems):
         return problems
     flat = {**{k: layer[k] for k in DECODER_INTS}, **{k: config[k] for k in HEAD_INTS}}
-    _check_eagle3_tensors(folder, flat, "speculators", problems, layer="layers.0.")
+    _check_eagle3_tensors(folder, flat, SPECULATORS.name, problems, layer="layers.0.")
     return problems
 
 
@@ -325,7 +330,7 @@ def verify_eagle_hf(folder: Path) -> list[str]:
         problems.append("config.target records no target layer count")
     elif any(not 0 <= i < n_layers for i in cfg.capture_layer_ids):
         problems.append(f"capture_layer_ids {cfg.capture_layer_ids} outside 0..{n_layers - 1}")
-    if cfg.preset == "eagle3":
+    if cfg.preset == EAGLE3:
         _check_vocab_maps(head.d2t, head.t2d, cfg.vocab_size, False, problems)
     return problems
 
@@ -341,7 +346,7 @@ def verify_causal_lm(folder: Path, engine: str) -> list[str]:
         problems.append("no *.safetensors weights")
     if engine in DRAFT_ARCHITECTURES and arch not in DRAFT_ARCHITECTURES[engine]:
         problems.append(f"architecture {arch!r} is not one {engine} loads as a draft model here")
-    if engine != "hf" and (folder / "adapter_config.json").exists():
+    if engine != HF.name and (folder / "adapter_config.json").exists():
         problems.append(
             f"a LoRA adapter is stored beside the base weights; {engine} would skip it (save with merge)"
         )
@@ -361,49 +366,63 @@ def verify_causal_lm(folder: Path, engine: str) -> list[str]:
     return problems
 
 
-def verify_export(folder: str | Path, engine: str) -> list[str]:
-    """Check ``folder`` as an export for ``engine``; return what was checked, raise with every problem."""
-    folder = Path(folder)
-    if engine == "gguf":
-        from draftsmith.export.gguf_verify import verify_gguf
+def read_export_config(folder: Path) -> dict:
+    """An export folder's config.json after checking every file in it is whole (a cut-short copy: one line
+    naming the file); a folder without one is not an export."""
+    if not (folder / "config.json").is_file():
+        raise ExportVerificationError(f"{folder} has no config.json; it is not an export")
+    files.check_model_files(folder, EXPORT_FIX)
+    return files.read_json(folder / "config.json", EXPORT_FIX)
 
-        problems = verify_gguf(folder)
-        kind = "GGUF file"
-    elif engine == "speculators":
-        if not (folder / "config.json").is_file():
-            raise ExportVerificationError(f"{folder} has no config.json; it is not an export")
-        files.check_model_files(folder, EXPORT_FIX)
-        problems = verify_speculators(folder)
-        kind = "EAGLE-3 head (speculators format)"
-    else:
-        if not (folder / "config.json").is_file():
-            raise ExportVerificationError(f"{folder} has no config.json; it is not an export")
-        files.check_model_files(folder, EXPORT_FIX)  # a cut-short copy: one line naming the file
-        config = files.read_json(folder / "config.json", EXPORT_FIX)
-        if config.get("architectures") == [EAGLE3_ARCHITECTURE] or "draftsmith_source" in config:
-            if engine == "hf":
-                problems = [
-                    f"{folder} is an engine-layout EAGLE-3 export; export with --to hf for transformers"
-                ]
-            else:
-                problems = verify_eagle3_engine(folder, engine)
-            kind = "EAGLE-3 head"
-        else:
-            from draftsmith.drafts.base import kind_of_config
 
-            record = kind_of_config(config)
-            kind = record.title
-            if record.family == "causal_lm":
-                problems = verify_causal_lm(folder, engine)
-            elif engine != "hf":
-                problems = [
-                    f"{folder} is draftsmith's transformers layout of a {record.title}, not {engine}'s; export it "
-                    f"with --to {engine}"
-                ]
-            else:
-                problems = verify_eagle_hf(folder) if record.family == "eagle" else verify_medusa_hf(folder)
+def is_engine_eagle3(config: dict) -> bool:
+    """An EAGLE-3 head in an engine's layout (vLLM, SGLang), not draftsmith's own."""
+    return config.get("architectures") == [EAGLE3_ARCHITECTURE] or "draftsmith_source" in config
+
+
+def verify_hf(folder: Path) -> tuple[str, list[str]]:
+    """draftsmith's transformers layout of any kind: a strict ``from_pretrained`` of the kind's class."""
+    from draftsmith.drafts.base import kind_of_config
+
+    config = read_export_config(folder)
+    if is_engine_eagle3(config):
+        return "EAGLE-3 head", [
+            f"{folder} is an engine-layout EAGLE-3 export; export with --to hf for transformers"
+        ]
+    kind = kind_of_config(config)
+    check = {
+        "causal_lm": lambda f: verify_causal_lm(f, HF.name),
+        "eagle": verify_eagle_hf,
+        "medusa": verify_medusa_hf,
+    }
+    return kind.title, check[kind.family](folder)
+
+
+def verify_reference_engine(folder: Path, engine: Engine) -> tuple[str, list[str]]:
+    """An engine that reads the reference EAGLE-3 layout or a causal LM's transformers directory (vLLM, SGLang)."""
+    from draftsmith.drafts.base import kind_of_config
+
+    config = read_export_config(folder)
+    if is_engine_eagle3(config):
+        return "EAGLE-3 head", verify_eagle3_engine(folder, engine.name)
+    kind = kind_of_config(config)
+    if kind.family == "causal_lm":
+        return kind.title, verify_causal_lm(folder, engine.name)
+    return kind.title, [
+        f"{folder} is draftsmith's transformers layout of a {kind.title}, not {engine.name}'s; export it with "
+        f"--to {engine.name}"
+    ]
+
+
+def verify_export(folder: str | Path, engine: str | Engine) -> list[str]:
+    """Check ``folder`` as an export for ``engine`` (its name or record) with the engine's verifier; return
+    what was checked, raise with every problem."""
+    folder, record = Path(folder), engine_of(engine)
+    if record.verify is None:
+        raise ValueError(f"the {record.name} engine registers no verifier; nothing checks its exports")
+    what, problems = record.verify(folder)
     if problems:
         raise ExportVerificationError(
-            f"{folder} is not a valid {engine} export:\n" + "\n".join(f"  - {p}" for p in problems)
+            f"{folder} is not a valid {record.name} export:\n" + "\n".join(f"  - {p}" for p in problems)
         )
-    return [f"{kind} in {folder} matches what the {engine} loader reads"]
+    return [f"{what} in {folder} matches what the {record.name} loader reads"]

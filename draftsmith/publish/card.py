@@ -1,86 +1,20 @@
 """The published model card: YAML metadata, the measured numbers of an eval report, recipe and usage.
 
-Which eval report belongs to a checkpoint (``find_report``): ``--report PATH`` when given, else every
-``report.json`` under the run directory (and the draft directory) whose drafts include this
-checkpoint, newest first. A draft entry matches when its name, resolved against the directory
-``draftsmith eval`` ran in (recovered from the report's ``settings.out``) or the current one, is the
-checkpoint's draft directory, or a run directory holding it (``--draft RUN``, as eval reads it).
+The usage section is generated from the engine records: a section per engine that takes the draft's
+kind (the engine's own snippet, ``draftsmith/export/<engine>.py``), and the reasons of those that do not.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from draftsmith.draft_checkpoint import DraftCheckpoint
-from draftsmith.drafts.base import draft_dir_of
-from draftsmith.files import read_json
+from draftsmith.drafts.engines import export_engines
+from draftsmith.export.engines import CARD_K, CardContext, loaded, refusal
 from draftsmith.hub import HUB_ID, KNOWN_TARGETS, hub_id_of_target
-
-
-@dataclass
-class EvalReport:
-    path: Path
-    report: dict
-    entry: dict
-    """The report's draft entry for this checkpoint."""
-
-
-def _eval_cwd(report_file: Path, report: dict) -> Path | None:
-    """The directory ``draftsmith eval`` ran in, from where its ``--out`` landed."""
-    out = Path(str((report.get("settings") or {}).get("out") or ""))
-    folder = report_file.parent.resolve()
-    if out.is_absolute():
-        return None
-    parts = [p for p in out.parts if p not in (".", "")]
-    if parts and list(folder.parts[-len(parts) :]) == parts:
-        return Path(*folder.parts[: -len(parts)])
-    return None
-
-
-def _matching_entry(report_file: Path, report: dict, draft_dir: Path) -> dict | None:
-    want = draft_dir.resolve()
-    bases = [b for b in (_eval_cwd(report_file, report), Path.cwd()) if b is not None]
-    for entry in report.get("drafts") or []:
-        name = Path(str(entry.get("name", "")))
-        candidates = [name] if name.is_absolute() else [base / name for base in bases]
-        if any(c.exists() and draft_dir_of(c).resolve() == want for c in candidates):  # a run dir: its draft
-            return entry
-    return None
-
-
-def find_report(ckpt: DraftCheckpoint, report: str | None = None) -> EvalReport | None:
-    """The latest eval report that measured ``ckpt`` (see the module docstring); None if there is none."""
-    if report is not None:
-        file = Path(report) / "report.json" if Path(report).is_dir() else Path(report)
-        if not file.is_file():
-            raise FileNotFoundError(
-                f"--report {report}: no report.json there (run `draftsmith eval --out DIR` first)"
-            )
-        data = read_json(file, "Pass the report.json `draftsmith eval --out DIR` wrote")
-        entry = _matching_entry(file, data, ckpt.draft_dir)
-        if entry is None:
-            names = [d.get("name") for d in data.get("drafts") or []]
-            raise ValueError(
-                f"{file} measured drafts {names}, none of which is {ckpt.draft_dir}; pass the report of an eval "
-                f"run with --draft {ckpt.draft_dir}"
-            )
-        return EvalReport(file, data, entry)
-    roots = {ckpt.draft_dir.resolve()}
-    roots.add((ckpt.run_dir or ckpt.draft_dir.parent).resolve())
-    patterns = ["report.json", "*/report.json", "*/*/report.json", "*/*/*/report.json"]  # bounded depth
-    files = {f for root in roots for pattern in patterns for f in root.glob(pattern)}
-    for file in sorted(files, key=lambda f: f.stat().st_mtime, reverse=True):
-        try:
-            data = read_json(file)
-        except (OSError, ValueError):  # not a report, or a broken one: only an explicit --report is an error
-            continue
-        entry = _matching_entry(file, data, ckpt.draft_dir)
-        if entry is not None:
-            return EvalReport(file, data, entry)
-    return None
+from draftsmith.publish.report import EvalReport
 
 
 def base_model_of(ckpt: DraftCheckpoint, given: str | None) -> str:
@@ -209,8 +143,8 @@ def metrics_section(ev: EvalReport, plot: str | None) -> list[str]:
 
 
 def usage_section(ckpt: DraftCheckpoint, repo_id: str, base_model: str) -> list[str]:
-    """How to load the draft with draftsmith, transformers, vLLM and SGLang (and llama.cpp for small Llama drafts)."""
-    k = 5
+    """How to run the draft: with draftsmith, then with each engine that takes its kind (the engine's own
+    snippet), then why the others do not."""
     lines = [
         "## How to use",
         "",
@@ -221,111 +155,16 @@ def usage_section(ckpt: DraftCheckpoint, repo_id: str, base_model: str) -> list[
         "```",
         "",
     ]
-    family = ckpt.kind.family
-    if family in ("eagle", "medusa"):
-        lines += [
-            "### transformers",
-            "",
-            f"transformers has no assistant of this kind; the {ckpt.kind.title} is a `PreTrainedModel` that draftsmith's "
-            "decoder runs:",
-            "",
-            "```python",
-            "from draftsmith.decode.speculative import generate",
-            "from draftsmith.decode.target import load_target",
-            "from draftsmith.drafts import build_drafter",
-            "from draftsmith.eval.prompts import render",
-            "",
-            f'target = load_target("{base_model}")',
-            f'drafter = build_drafter("{repo_id}", target)',
-            'prompt = render(target.tokenizer, [{"role": "user", "content": "Hi!"}])',
-            f"out = generate(target, prompt, drafter, k={k}, max_new_tokens=128)  # greedy: the target's own tokens",
-            "print(target.tokenizer.decode(out.tokens))",
-            "```",
-            "",
-        ]
-        if "vllm" not in ckpt.kind.exports:  # Medusa drafts, EAGLE-1 heads
-            return lines + [
-                "### vLLM, SGLang, llama.cpp",
-                "",
-                f"Not served there: {ckpt.kind.refusals['vllm']}.",
-                "",
-            ]
-        lines += [
-            "### vLLM",
-            "",
-            "```bash",
-            f"draftsmith export {repo_id} --to vllm --out draft-vllm",
-            f"vllm serve {base_model} --speculative-config "
-            f'\'{{"method": "eagle3", "model": "draft-vllm", "num_speculative_tokens": {k}}}\'',
-            "```",
-            "",
-            "### SGLang",
-            "",
-            "```bash",
-            f"draftsmith export {repo_id} --to sglang --out draft-sglang",
-            f"python -m sglang.launch_server --model {base_model} --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path draft-sglang --speculative-num-steps {k} "
-            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
-            "```",
-            "",
-            "vLLM also reads the speculators format: `draftsmith export ... --to speculators`.",
-            "",
-            "### llama.cpp / LM Studio",
-            "",
-            "```bash",
-            f"draftsmith export {repo_id} --to gguf --out head.gguf  # --target-gguf TARGET.gguf unless draftsmith knows it",
-            f"llama-server -m TARGET.gguf --spec-type draft-eagle3 --spec-draft-model head.gguf --spec-draft-n-max {k}",
-            "```",
-            "",
-            "The engine exports differ in where the auxiliary layer ids live and how they count layers; "
-            "see draftsmith's docs/EXPORT.md. The llama.cpp command is the one draftsmith's engine benchmark "
-            "runs (add `--no-repack` on CPUs with AMX, ggml-org/llama.cpp#20824).",
-            "",
-        ]
-        return lines
-    lines += [
-        "### transformers (assisted generation)",
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "",
-        f'tokenizer = AutoTokenizer.from_pretrained("{base_model}")',
-        f'target = AutoModelForCausalLM.from_pretrained("{base_model}")',
-        f'draft = AutoModelForCausalLM.from_pretrained("{repo_id}")',
-        'inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True, '
-        'return_tensors="pt", return_dict=True)',
-        "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)",
-        "```",
-        "",
-        "### vLLM",
-        "",
-        "```bash",
-        f"vllm serve {base_model} --speculative-config "
-        f'\'{{"method": "draft_model", "model": "{repo_id}", "num_speculative_tokens": {k}}}\'',
-        "```",
-        "",
-        "### SGLang",
-        "",
-        "```bash",
-        f"python -m sglang.launch_server --model {base_model} --speculative-algorithm STANDALONE "
-        f"--speculative-draft-model-path {repo_id} --speculative-num-steps {k} --speculative-eagle-topk 1 "
-        f"--speculative-num-draft-tokens {k + 1}",
-        "```",
-        "",
-    ]
-    if ckpt.config.get("model_type") == "llama":
-        lines += [
-            "### llama.cpp / LM Studio",
-            "",
-            "```bash",
-            f"draftsmith export {repo_id} --to gguf --gguf-dtype q8_0 --out draft.gguf",
-            f"llama-server -m TARGET.gguf --spec-type draft-simple --spec-draft-model draft.gguf --spec-draft-n-max {k}",
-            "```",
-            "",
-            "(the command draftsmith's engine benchmark runs; add `--no-repack` on CPUs with AMX, "
-            "ggml-org/llama.cpp#20824)",
-            "",
-        ]
+    card = CardContext(ckpt.kind, ckpt.config, repo_id, base_model, CARD_K)
+    refused: dict[str, list[str]] = {}
+    for engine in export_engines():
+        why = refusal(ckpt.kind, engine)
+        if why is not None:
+            refused.setdefault(why, []).append(engine.title)
+        elif loaded(engine).usage is not None:
+            lines += engine.usage(card)
+    for why, titles in refused.items():
+        lines += [f"### {', '.join(titles)}", "", f"Not served there: {why}.", ""]
     return lines
 
 

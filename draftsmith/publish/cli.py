@@ -18,14 +18,8 @@ from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
 from draftsmith.drafts.base import PEER_EAGLE3
 from draftsmith.eval.plots import PLOT_NAME
 from draftsmith.hub import HUB_ID
-from draftsmith.publish.card import (
-    base_model_of,
-    find_report,
-    license_of,
-    portable,
-    portable_recipe,
-    render_card,
-)
+from draftsmith.publish.card import base_model_of, license_of, portable, portable_recipe, render_card
+from draftsmith.publish.report import find_report
 
 REPORT_NAME = "eval_report.json"
 RECIPE_NAME = "train_config.yaml"
@@ -37,7 +31,8 @@ run directory or its draft/ directory) and push it as one commit.
 The model card (README.md) carries YAML metadata (base_model = the target, library_name, tags,
 license, datasets), the numbers of the latest `draftsmith eval` report of this checkpoint (τ, α,
 per-position acceptance, speed-up, per category, hardware, settings, prompt set) and its plot, the
-training recipe, and how to load the draft with draftsmith, transformers, vLLM and SGLang.
+training recipe, and how to load the draft with draftsmith and with each engine that takes its kind
+(the engines and their snippets: `draftsmith export --help`).
 
 Which eval report: --report PATH if given; otherwise the newest report.json under the run directory
 (e.g. RUN/eval/report.json) whose measured drafts include this checkpoint's draft directory.

@@ -1,0 +1,48 @@
+"""The ``sglang`` engine's work: EAGLE-3 heads in the reference layout with SGLang's layer ids
+(``eagle.py``), distilled drafts as their transformers directory (SGLang's ``STANDALONE`` drafting)."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+from draftsmith.draft_checkpoint import DraftCheckpoint
+from draftsmith.drafts.engines import SGLANG
+from draftsmith.export import copy_export
+from draftsmith.export.eagle import export_eagle
+from draftsmith.export.engines import CardContext, ExportOptions
+from draftsmith.export.verify import verify_reference_engine
+
+
+def write_eagle(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
+    return export_eagle(ckpt, out, SGLANG.name)
+
+
+def usage(card: CardContext) -> list[str]:
+    base, repo, k = card.base_model, card.repo_id, card.k
+    if card.kind.family == "causal_lm":
+        algorithm, draft, export, note = "STANDALONE", repo, [], []
+    else:
+        algorithm, draft = "EAGLE3", "draft-sglang"
+        export = [f"draftsmith export {repo} --to sglang --out draft-sglang"]
+        note = [
+            "vLLM and SGLang read the head's target layers from different fields and count them differently; "
+            "see draftsmith's docs/EXPORT.md.",
+            "",
+        ]
+    return [
+        "### SGLang",
+        "",
+        "```bash",
+        *export,
+        f"python -m sglang.launch_server --model {base} --speculative-algorithm {algorithm} "
+        f"--speculative-draft-model-path {draft} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+        f"--speculative-num-draft-tokens {k + 1}",
+        "```",
+        "",
+        *note,
+    ]
+
+
+SGLANG.writers.update({"eagle": write_eagle, "causal_lm": copy_export})
+SGLANG.verify, SGLANG.usage = partial(verify_reference_engine, engine=SGLANG), usage
