@@ -42,6 +42,9 @@ def test_every_key_has_help_text():
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
     text = describe()
     assert "trainer.max_steps" in text and "Optimizer steps to train for." in text and "draft.options" in text
+    # types read as a user writes them, not as typing spells them
+    assert "mode  (online|offline, default 'online')" in text and "data.limit  (int|null," in text
+    assert "Literal[" not in text and "Optional[" not in text
 
 
 def test_yaml_and_overrides(tmp_path):

@@ -9,6 +9,7 @@ objective registry. Reading recipes, presets and overrides into this is ``train/
 from __future__ import annotations
 
 import textwrap
+import types
 import typing
 from dataclasses import field, is_dataclass
 from typing import Annotated, Any, Literal
@@ -202,9 +203,15 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
 
 
 def _type_name(tp: Any) -> str:
-    if isinstance(tp, type) and typing.get_origin(tp) is None:
+    """A key's type as help shows it: ``online|offline``, ``int|null``, ``list[str]``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "|".join(str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return "|".join("null" if a is type(None) else _type_name(a) for a in args)
+    if isinstance(tp, type) and origin is None:
         return tp.__name__
-    return str(tp).replace("typing.", "").replace("NoneType", "None")
+    return str(tp).replace("typing.", "")
 
 
 def _key_help(key: str, info: FieldInfo, indent: str) -> str:
