@@ -89,8 +89,9 @@ def rehearsal_target(path: Path) -> str:
 
 def stage_data(args, model, tokenizer, work: Path) -> dict:
     """Prompts (shipped first turns + synthesized), answered by the target with continuous batching."""
-    from draftsmith.train.regenerate import first_user_turns, regenerate
-    from draftsmith.train.synthesize import synthesize
+    from draftsmith.train.corpus.prompts import first_user_turns
+    from draftsmith.train.corpus.regenerate import regenerate
+    from draftsmith.train.corpus.synthesize import synthesize
 
     began = time.perf_counter()
     shipped = work / "shipped_prompts.jsonl"

@@ -42,7 +42,7 @@ from draftsmith.drafts import build_drafter
 from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.train.config import load_config
-from draftsmith.train.data import pad_id_of
+from draftsmith.train.corpus.tokens import pad_id_of
 from draftsmith.train.feature_cache import FeatureCache, collate_cached
 from draftsmith.train.loop import prepare_datasets
 from draftsmith.train.objective import decoding_walk
@@ -78,7 +78,7 @@ def cached_batches(cache: FeatureCache, batch_size: int, pad_id: int):
 
 def recipe_batches(heldout, target, objective, batch_size: int, pad_id: int):
     """(Batch, Teacher) of a recipe's held-out rows, the teacher computed by a target forward."""
-    from draftsmith.train.data import collate
+    from draftsmith.train.corpus.tokens import collate
     from draftsmith.train.teacher import compute_teacher
 
     for lo in tqdm(range(0, len(heldout), batch_size), desc="held-out rows", unit="batch", leave=False):

@@ -26,7 +26,7 @@ from draftsmith.eval.report import hardware_description, write_json
 
 PROBE = """
 import resource, sys
-from draftsmith.train.data import iter_conversations
+from draftsmith.train.corpus.conversations import iter_conversations
 rows = sum(1 for _ in iter_conversations(sys.argv[1]))
 print(rows, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """

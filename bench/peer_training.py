@@ -4,7 +4,7 @@ Every run trains one decoder layer for the bundled SmolLM2-135M-Instruct with th
 vocabulary size and TTT depth, on the same tokens and loss masks, for the same number of tokens;
 each peer keeps its own defaults otherwise (lr, optimizer, schedule, batching). Stages (--stages):
 
-  data     render draftsmith's builtin training data once with ``draftsmith.train.data`` (chat
+  data     render draftsmith's builtin training data once with ``draftsmith.train.corpus`` (chat
            template, assistant loss mask, packed rows, the quickstart's held-out rows), take the rows
            draftsmith's sampler trains on first until --tokens, split them back into conversations and
            write those in each peer's input layout (the peers pad or pack conversations themselves)

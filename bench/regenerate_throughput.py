@@ -21,7 +21,8 @@ from pathlib import Path
 from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.loading import load_causal_lm
 from draftsmith.sources import BUILTIN_TRAIN
-from draftsmith.train.regenerate import BATCHING, first_user_turns, regenerate
+from draftsmith.train.corpus.prompts import first_user_turns
+from draftsmith.train.corpus.regenerate import BATCHING, regenerate
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ SUBCOMMANDS = {
     "eval": ("draftsmith.eval.cli", "measure τ, acceptance and speedup of drafts against the target alone"),
     "train": ("draftsmith.train.cli", "train a draft from a YAML recipe"),
     "data": (
-        "draftsmith.train.data_cli",
+        "draftsmith.train.corpus.cli",
         "prepare training data (e.g. regenerate responses with the target)",
     ),
     "shrink-vocab": (

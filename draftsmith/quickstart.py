@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from draftsmith.cli import main
     from draftsmith.sources import check_source
     from draftsmith.train.config import resolve_recipe
-    from draftsmith.train.regenerate import first_user_turns
+    from draftsmith.train.corpus.prompts import first_user_turns
 
     for spec in args.data:
         check_source(spec, "--data")

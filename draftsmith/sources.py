@@ -3,7 +3,7 @@ loaded by ``datasets.load_dataset`` (``hf:ID[:SPLIT][?key=value&...]``).
 
 The spec is parsed here, once, for every reader (training data, ``draftsmith data``, eval prompts), so
 a spelling that works in a recipe works on every command line. Loading a Hub dataset is the reader's
-job (``train/data.py``); this module imports nothing but the standard library and draftsmith's io.
+job (``train/corpus/conversations.py``); this module imports nothing but the standard library and draftsmith's io.
 """
 
 from __future__ import annotations

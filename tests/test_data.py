@@ -12,14 +12,8 @@ from tiny import tiny_tokenizer
 
 from draftsmith.files import open_text
 from draftsmith.sources import BUILTIN_TRAIN, builtin_path
-from draftsmith.train.data import (
-    build_dataset,
-    collate,
-    load_conversations,
-    pack_rows,
-    render,
-    split_heldout,
-)
+from draftsmith.train.corpus.conversations import load_conversations
+from draftsmith.train.corpus.tokens import build_dataset, collate, pack_rows, render, split_heldout
 
 SYSTEM = {"role": "system", "content": "Be brief."}
 Q1 = {"role": "user", "content": "What is 2+2?"}
@@ -244,7 +238,7 @@ def convo_file(tmp_path):
 
 
 def test_build_dataset_skips_conversations_without_assistant_tokens(convo_file, caplog):
-    with caplog.at_level(logging.WARNING, logger="draftsmith.train.data"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.train.corpus.tokens"):
         ds = build_dataset([convo_file], tiny_tokenizer(), max_length=256)
     assert len(ds) == 9 and set(ds.column_names) == {"input_ids", "loss_mask"}
     assert "skipped 1 of 10" in caplog.text

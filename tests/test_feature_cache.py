@@ -7,7 +7,7 @@ import torch
 from test_loop import QUIET, Probe, conversations, make_config, tiny_target_dir  # noqa: F401 (fixtures)
 from tiny import tiny_target
 
-from draftsmith.train.data import build_dataset, collate
+from draftsmith.train.corpus.tokens import build_dataset, collate
 from draftsmith.train.feature_cache import (
     FeatureCache,
     build_feature_cache,

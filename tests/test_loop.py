@@ -14,7 +14,8 @@ from tiny import tiny_model, tiny_tokenizer
 from torch import nn
 
 from draftsmith.train.config import load_config
-from draftsmith.train.loop import acceptance_summary, lr_factor, train
+from draftsmith.train.loop import train
+from draftsmith.train.module import acceptance_summary, lr_factor
 from draftsmith.train.objective import Batch, Objective, Teacher, decoding_walk
 from draftsmith.train.objectives.distill import chain_run_lengths
 from draftsmith.train.registry import register_objective

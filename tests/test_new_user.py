@@ -186,7 +186,7 @@ def test_stale_temporaries_of_a_killed_export_are_removed(tiny_target_dir, conve
 
 
 def test_malformed_json_is_described_in_whole_sentences(tmp_path):
-    from draftsmith.train.data import load_conversations
+    from draftsmith.train.corpus.conversations import load_conversations
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "answer": "a"}\n{"question": "tab\there", "answer": "a"}\n')

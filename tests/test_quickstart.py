@@ -6,7 +6,7 @@ import pytest
 
 from draftsmith.cli import main
 from draftsmith.sources import BUILTIN_TRAIN
-from draftsmith.train.regenerate import first_user_turns
+from draftsmith.train.corpus.prompts import first_user_turns
 
 
 def test_prompts_come_from_each_training_file_in_turn():

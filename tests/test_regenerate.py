@@ -10,8 +10,10 @@ from tiny import tiny_model, tiny_tokenizer
 
 from draftsmith.cli import build_parser, main
 from draftsmith.loading import load_causal_lm
-from draftsmith.train.data import chat_text, load_conversations
-from draftsmith.train.regenerate import read_done, regenerate
+from draftsmith.train.corpus.conversations import load_conversations
+from draftsmith.train.corpus.prompts import read_done
+from draftsmith.train.corpus.regenerate import regenerate
+from draftsmith.train.corpus.tokens import chat_text
 
 MAX_NEW = 6
 

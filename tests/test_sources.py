@@ -16,8 +16,8 @@ import pytest
 
 from draftsmith.cli import main
 from draftsmith.sources import BUILTIN, DataSourceError, HubSource, builtin_path, check_source, parse_source
-from draftsmith.train.data import iter_conversations, load_conversations
-from draftsmith.train.regenerate import first_user_turns, source_conversations
+from draftsmith.train.corpus.conversations import iter_conversations, load_conversations
+from draftsmith.train.corpus.prompts import first_user_turns, source_conversations
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = [{"role": "user", "content": "q{i}"}, {"role": "assistant", "content": "a{i}"}]
@@ -139,7 +139,7 @@ def test_offline_with_no_cached_copy_is_one_clear_error(tmp_path):
 
 MEMORY_PROBE = """
 import resource, sys
-from draftsmith.train.data import iter_conversations
+from draftsmith.train.corpus.conversations import iter_conversations
 rows = sum(1 for _ in iter_conversations(sys.argv[1]))
 print(rows, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """

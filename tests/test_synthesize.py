@@ -9,8 +9,8 @@ import torch
 from tiny import tiny_model, tiny_tokenizer
 
 from draftsmith.cli import main
-from draftsmith.train.regenerate import generate_replies
-from draftsmith.train.synthesize import synthesize, user_turn_prefix
+from draftsmith.train.corpus.generate import generate_replies
+from draftsmith.train.corpus.synthesize import synthesize, user_turn_prefix
 
 EOS = 258  # <|im_end|> in the tiny tokenizer
 

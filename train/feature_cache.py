@@ -268,7 +268,7 @@ def _check_manifest(directory: Path, old: dict, manifest: dict) -> None:
 
 
 def _write_shard(target, rows, path, layers, topk, batch_size, pad_id, feature_dtype, rows_hash, bar) -> None:
-    from draftsmith.train.data import collate
+    from draftsmith.train.corpus.tokens import collate
 
     lengths = [len(ids) for ids in rows["input_ids"]]
     offsets = torch.tensor([0, *lengths]).cumsum(0)

@@ -1,9 +1,9 @@
 """What a draft kind brings to the one training loop.
 
-The loop (``train/loop.py``) owns data, the frozen target, optimisation, checkpoints and logs. A
-draft kind owns its model and its loss: it subclasses ``Objective``. The loop gives every step a
-``Batch`` of tokens and the ``Teacher`` outputs for it — computed online by a target forward, or
-read back from the offline feature cache; the objective never runs the target itself.
+The loop (``train/loop.py`` and its ``train/module.py``) owns data, the frozen target, optimisation,
+checkpoints and logs. A draft kind owns its model and its loss: it subclasses ``Objective``. The loop
+gives every step a ``Batch`` of tokens and the ``Teacher`` outputs for it — computed online by a target
+forward, or read back from the offline feature cache; the objective never runs the target itself.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Batch:
     attention_mask: torch.Tensor  # 1 = real token, 0 = padding
     loss_mask: torch.Tensor  # 1 where the token at this position is an assistant token to be learnt
     position_ids: torch.Tensor | None = None
-    """Packed rows only: positions restart at 0 where each conversation starts (see train/data.py)."""
+    """Packed rows only: positions restart at 0 where each conversation starts (see train/corpus/tokens.py)."""
 
 
 @dataclass

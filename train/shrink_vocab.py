@@ -62,10 +62,9 @@ def run(args: argparse.Namespace) -> int:
 
     from draftsmith import files
     from draftsmith.drafts.base import kind_of_checkpoint
-    from draftsmith.drafts.eagle import EagleHead
+    from draftsmith.drafts.eagle import EAGLE3, EagleHead
     from draftsmith.loading import resolve_model_path, tokenizer_fingerprint
-    from draftsmith.train.data import build_dataset
-    from draftsmith.train.loop import count_tokens
+    from draftsmith.train.corpus.tokens import build_dataset, count_tokens
 
     head_dir, out = Path(args.head), Path(args.out)
     if not (head_dir / "config.json").is_file():
@@ -73,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             f"{head_dir} is not a head directory saved by `draftsmith train` (no config.json)"
         )
     kind = kind_of_checkpoint(head_dir)
-    if kind.name != "eagle3":
+    if kind.name != EAGLE3:
         raise ValueError(
             f"{head_dir} is a {kind.title} ({kind.name}); shrink-vocab works on EAGLE-3 heads (their own draft "
             "LM head)"

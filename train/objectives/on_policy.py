@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.target import Target
-from draftsmith.train.data import collate, pad_id_of
+from draftsmith.train.corpus.tokens import collate, pad_id_of
 from draftsmith.train.objective import Batch
 
 

@@ -24,8 +24,9 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.loading import eos_token_ids
-from draftsmith.train.data import chat_text, check_chat_template
-from draftsmith.train.regenerate import generate_replies, read_done
+from draftsmith.train.corpus.generate import generate_replies
+from draftsmith.train.corpus.prompts import read_done
+from draftsmith.train.corpus.tokens import chat_text, check_chat_template
 
 SENTINEL = "\u2063draftsmith-user-text\u2063"
 

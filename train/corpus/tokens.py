@@ -1,4 +1,4 @@
-"""Training conversations: load (any common shape), render with the target's chat template, mask, pack.
+"""Conversations into token rows: render with the target's chat template, mask, pack, collate, count.
 
 The loss mask marks the tokens a draft must learn to predict: the content of each assistant message
 and the end-of-turn token right after it. It is derived from where the template itself puts each
@@ -9,237 +9,18 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import itertools
-import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import datasets
 import torch
 
-from draftsmith.files import json_error, open_text, read_jsonl
 from draftsmith.loading import tokenizer_fingerprint
-from draftsmith.sources import DataSourceError, HubSource, parse_source
+from draftsmith.train.corpus.conversations import Message, load_conversations
 from draftsmith.train.objective import Batch
 
 logger = logging.getLogger(__name__)
-
-Message = dict[str, str]
-
-ROLE_ALIASES = {
-    "system": "system",
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "bing": "assistant",
-    "bard": "assistant",
-}
-SHAPES = (
-    'ShareGPT {"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}',
-    '{"messages": [{"role": "system"|"user"|"assistant", "content": ...}]}',
-    '{"question": ..., "answer": ...}',
-    '{"instruction": ..., "input": ... (optional), "response" or "output": ...}',
-)
-MESSAGES_FEATURES = datasets.Features(
-    {"messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})}
-)
-
-
-def read_records(path: str | Path) -> Iterator[tuple[int, int, object]]:
-    """Yield (record index, line number, record) from a JSON list file or a JSONL file, either of them
-    gzip-compressed or not.
-
-    The format is told by the content, not the name: a file whose first character is ``[`` is one
-    JSON list, anything else is one JSON value per line (blank lines skipped).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist")
-    with open_text(path) as f:
-        head = f.read(4096).lstrip()
-        if not head:
-            raise ValueError(
-                f"{path} is empty; pass a JSON list or a JSONL file with one conversation a line"
-            )
-        f.seek(0)
-        if head.startswith("["):
-            text = f.read()
-            try:
-                records = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: malformed JSON: {json_error(err, text)}") from err
-            if not records:
-                raise ValueError(f"{path} holds an empty JSON list; it has no conversations")
-            for index, record in enumerate(records):
-                yield index, 0, record
-            return
-    for index, (lineno, record) in enumerate(read_jsonl(path, "one conversation")):
-        yield index, lineno, record
-
-
-def to_messages(record: object, where: str) -> list[Message]:
-    """Convert one record of any accepted shape to a list of {"role", "content"} messages.
-
-    ``where`` names the record in error messages (file, index, line).
-    """
-    if not isinstance(record, dict):
-        raise ValueError(
-            f"{where} is a {type(record).__name__}, not a JSON object; accepted shapes: {_shapes()}"
-        )
-    if isinstance(record.get("conversations"), list):
-        turns = [(_field(t, "from", where), _field(t, "value", where)) for t in record["conversations"]]
-    elif isinstance(record.get("messages"), list):
-        turns = [(_field(t, "role", where), _field(t, "content", where)) for t in record["messages"]]
-    elif "question" in record and "answer" in record:
-        turns = [("user", record["question"]), ("assistant", record["answer"])]
-    elif "instruction" in record and ("response" in record or "output" in record):
-        prompt = record["instruction"]
-        extra = record.get("input") or ""
-        if isinstance(prompt, str) and isinstance(extra, str) and extra.strip():
-            prompt = f"{prompt}\n\n{extra}"
-        turns = [("user", prompt), ("assistant", record["response" if "response" in record else "output"])]
-    else:
-        raise ValueError(
-            f"{where} has keys {sorted(record)}, which match no known shape; accepted shapes: {_shapes()}"
-        )
-    messages = []
-    for n, (role, content) in enumerate(turns):
-        if role not in ROLE_ALIASES:
-            raise ValueError(
-                f"{where}, turn {n}: unknown role {role!r}; known roles: {', '.join(sorted(ROLE_ALIASES))}"
-            )
-        if not isinstance(content, str):
-            raise ValueError(f"{where}, turn {n}: content is {type(content).__name__}, expected a string")
-        messages.append({"role": ROLE_ALIASES[role], "content": content})
-    return messages
-
-
-def iter_conversations(spec: str | Path) -> Iterator[tuple[int, list[Message]]]:
-    """Yield (record index, messages) for every record of one source: a JSON/JSONL file, a built-in
-    data set (``builtin:NAME``) or a dataset loaded by ``datasets`` (``hf:ID:SPLIT``, see
-    ``draftsmith.sources``).
-
-    Leading assistant turns are dropped: ShareGPT dumps split long conversations into chunks, and a
-    chunk may start mid-conversation with the assistant answering a question it no longer contains.
-    A record left with no messages yields an empty list.
-    """
-    for index, messages, _ in _iter_records(spec):
-        yield index, messages
-
-
-def _iter_records(spec: str | Path) -> Iterator[tuple[int, list[Message], object]]:
-    source = parse_source(spec)
-    if isinstance(source, HubSource):
-        records = ((index, f"{source}: row {index}", record) for index, record in hub_records(source))
-    else:
-        records = (
-            (index, f"{spec}: record {index}" + (f" (line {lineno})" if lineno else ""), record)
-            for index, lineno, record in read_records(source)
-        )
-    for index, where, record in records:
-        messages = to_messages(record, where)
-        first = next((i for i, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
-        yield index, messages[first:], record
-
-
-def hub_records(source: HubSource) -> Iterator[tuple[int, dict]]:
-    """(row index, row) of a dataset through ``datasets.load_dataset``, at most ``source.take`` rows.
-
-    Streaming reads rows as they are used (memory bounded by the rows taken); otherwise the split is
-    downloaded (or found in the cache) whole and memory-mapped. Its columns are checked against the
-    accepted shapes before any row is read. Errors name the dataset: offline with no cached copy, a split
-    or config it lacks (listing the ones it has), columns that match no shape (listing the ones found).
-    """
-    try:
-        dataset = datasets.load_dataset(
-            source.path,
-            name=source.config,
-            split=source.split,
-            revision=source.revision,
-            streaming=source.streaming,
-        )
-    except ConnectionError as err:
-        raise DataSourceError(
-            f"{source}: the Hub cannot be reached and no copy is cached here ({err}). Load it once on a "
-            "machine with network access (the copy lands in the datasets cache, HF_HOME), copy the dataset "
-            "folder here and pass hf:FOLDER:SPLIT, or use a local JSON/JSONL file"
-        ) from err
-    except ValueError as err:  # an unknown split or config: datasets lists the ones there are
-        raise DataSourceError(f"{source}: {err}") from err
-    except FileNotFoundError as err:
-        raise DataSourceError(f"{source}: no such dataset ({err})") from err
-    columns = dataset.column_names
-    if columns is None:  # a stream whose features are not declared: read them off the first row
-        columns = list(next(iter(dataset), {}))
-    if not shape_of_columns(columns):
-        raise DataSourceError(
-            f"{source} has columns {sorted(columns)}, which match no known shape; accepted shapes: {_shapes()}"
-        )
-    if source.streaming:
-        # read the rows taken, then close the stream: a stream left open mid-file may abort the
-        # interpreter at exit (pyarrow's reader threads, apache/arrow#45214)
-        stream = iter(dataset)
-        try:
-            rows = list(itertools.islice(stream, source.take))
-        finally:
-            stream.close()
-        yield from enumerate(rows)
-        return
-    if source.take is not None:
-        dataset = dataset.select(range(min(source.take, len(dataset))))
-    yield from enumerate(dataset)
-
-
-def shape_of_columns(columns: Sequence[str]) -> str | None:
-    """The accepted shape (an entry of ``SHAPES``) that records with these keys are read as, or None."""
-    keys = set(columns)
-    if "conversations" in keys:
-        return SHAPES[0]
-    if "messages" in keys:
-        return SHAPES[1]
-    if {"question", "answer"} <= keys:
-        return SHAPES[2]
-    if "instruction" in keys and keys & {"response", "output"}:
-        return SHAPES[3]
-    return None
-
-
-def load_conversations(paths: Sequence[str | Path]) -> datasets.Dataset:
-    """Load conversation sources (JSON/JSONL files, ``builtin:`` names, ``hf:`` datasets) into a Dataset
-    with one column ``messages``.
-
-    Each record may be in any shape of ``SHAPES`` (told per record). Skipped, and counted in the log:
-    records with no messages left after dropping leading assistant turns (see ``iter_conversations``),
-    and records ``data regenerate`` flagged with ``truncated_replies`` (a reply cut at max_new_tokens
-    ends where the target never ended it; trained on, it teaches the draft an ending that never comes).
-    """
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    if not paths:
-        raise ValueError("no data given; pass at least one JSON/JSONL file, builtin: name or hf: dataset")
-    rows, empty, cut = [], 0, 0
-    for path in paths:
-        for _, messages, record in _iter_records(path):
-            if not messages:
-                empty += 1
-            elif record.get("truncated_replies"):
-                cut += 1
-            else:
-                rows.append({"messages": messages})
-    if empty:
-        logger.warning("skipped %d conversations that held only assistant turns", empty)
-    if cut:
-        logger.warning(
-            "skipped %d conversations with a reply cut at max_new_tokens (flagged truncated_replies by "
-            "`draftsmith data regenerate`; regenerate with a larger --max-new-tokens to keep them)",
-            cut,
-        )
-    if not rows:
-        raise ValueError(f"no usable conversations in {', '.join(map(str, paths))} (see the warnings above)")
-    return datasets.Dataset.from_list(rows, features=MESSAGES_FEATURES)
 
 
 def render(messages: Sequence[Message], tokenizer, max_length: int) -> dict[str, list[int]]:
@@ -427,6 +208,24 @@ def collate(rows: Sequence[dict], pad_id: int) -> Batch:
     return Batch(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask, **extra)
 
 
+def pad_id_of(tokenizer) -> int:
+    """The id padding slots hold (they are masked): the pad token, else EOS, else 0."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def count_tokens(dataset, vocab_size: int) -> torch.Tensor:
+    """Frequency [V] (int64) of each token id at loss-masked positions: what the draft must predict."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for chunk in dataset.iter(batch_size=1024):
+        ids = torch.cat([torch.as_tensor(x, dtype=torch.long) for x in chunk["input_ids"]])
+        mask = torch.cat([torch.as_tensor(x, dtype=torch.bool) for x in chunk["loss_mask"]])
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 def chat_text(tokenizer, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
     """The chat template's text for these messages (tokenize it with add_special_tokens=False)."""
     return tokenizer.apply_chat_template(
@@ -458,24 +257,5 @@ def _name(tokenizer) -> str:
     return repr(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
 
 
-def _shapes() -> str:
-    return "; ".join(SHAPES)
-
-
 def _hash(*parts: str) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def _field(turn: object, key: str, where: str) -> object:
-    if not isinstance(turn, dict) or key not in turn:
-        keys = sorted(turn) if isinstance(turn, dict) else type(turn).__name__
-        raise ValueError(f"{where}: a turn lacks {key!r} (it has {keys}); accepted shapes: {_shapes()}")
-    return turn[key]
-
-
-def pad_id_of(tokenizer) -> int:
-    """The id padding slots hold (they are masked): the pad token, else EOS, else 0."""
-    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if candidate is not None:
-            return int(candidate)
-    return 0

@@ -206,7 +206,7 @@ def run_prompts(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from draftsmith.train.regenerate import first_user_turns, record_ids
+    from draftsmith.train.corpus.prompts import first_user_turns, record_ids
 
     if args.count < 1:
         raise ValueError(f"--count must be at least 1, got {args.count}")
@@ -240,7 +240,7 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_synthesize(args: argparse.Namespace) -> int:
-    from draftsmith.train.synthesize import synthesize
+    from draftsmith.train.corpus.synthesize import synthesize
 
     model, tokenizer, name = load_writer(args)
     stats = synthesize(
@@ -270,7 +270,7 @@ def run_synthesize(args: argparse.Namespace) -> int:
 
 
 def run_regenerate(args: argparse.Namespace) -> int:
-    from draftsmith.train.regenerate import regenerate
+    from draftsmith.train.corpus.regenerate import regenerate
 
     model, tokenizer, name = load_writer(args)
     stats = regenerate(
