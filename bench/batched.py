@@ -3,8 +3,9 @@
 Offline evaluation decodes many prompts; ``generate_batch`` (decode/batched.py) runs several at once,
 each row accepting its own number of draft tokens. For every (method, batch size) this decodes the
 same prompts (first turns of the dev set, round-robin over categories) in chunks of that size, greedy,
-and reports total new tokens / total seconds. Every sequence is checked token for token against the
-target alone decoded one prompt at a time. A short untimed warm-up runs every method first.
+and reports total new tokens / total seconds and τ (``draftsmith.eval.timed.batched_row``). Every
+sequence is checked token for token against the target alone decoded one prompt at a time. A short
+untimed warm-up runs every method first.
 
     python bench/batched.py --limit 16 --max-new-tokens 64 --batch-sizes 1 4 8
 """
@@ -14,13 +15,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from draftsmith.decode.batched import generate_batch
 from draftsmith.decode.cpu_kernels import pack_for_decoding
-from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
 from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.timed import batched_row, decode_batched, decode_each
 
 
 def main() -> None:
@@ -45,19 +45,19 @@ def main() -> None:
         render(target.tokenizer, [{"role": "user", "content": q.turns[0]}])
         for q in load_prompts(args.prompts, args.limit, order="round-robin")
     ]
-    reference = [generate(target, q, None, max_new_tokens=args.max_new_tokens).tokens for q in prompts]
+    reference = decode_each(target, prompts, None, 0, args.max_new_tokens).outputs
 
     methods = {"target alone": (None, 0), **{spec: (d, args.k) for spec, d in drafters.items()}}
     for drafter, k in methods.values():  # warm-up: kernels and allocator at every batch size
         for size in args.batch_sizes:
-            generate_batch(target, prompts[:size], drafter, k, max_new_tokens=8)
+            decode_batched(target, prompts[:size], drafter, k, size, max_new_tokens=8)
 
     rows = []
     print(f"{'method':<16}{'batch':>6}{'tok/s':>9}{'vs b=1 alone':>14}{'τ':>7}{'exact':>9}", flush=True)
     base = None
     for size in args.batch_sizes:
         for name, (drafter, k) in methods.items():
-            row = time_batched(target, prompts, reference, drafter, k, size, args.max_new_tokens)
+            row = batched_row(target, prompts, reference, drafter, k, size, args.max_new_tokens)
             base = base or row["tokens_per_s"]
             row = {"method": name, **row, "vs_batch1_target_alone": row["tokens_per_s"] / base}
             rows.append(row)
@@ -74,31 +74,6 @@ def main() -> None:
         "rows": rows,
     }
     write_json(args.out, result)
-
-
-def time_batched(target, prompts, reference, drafter, k: int, size: int, max_new_tokens: int) -> dict:
-    """The prompts decoded ``size`` at a time by ``generate_batch``; tokens/s, τ, and how many outputs equal
-    ``reference`` (the target alone, one prompt at a time)."""
-    tokens, seconds, forwards, steps, exact = 0, 0.0, 0, 0, 0
-    for i in range(0, len(prompts), size):
-        start = time.perf_counter()
-        out = generate_batch(target, prompts[i : i + size], drafter, k, max_new_tokens)
-        seconds += time.perf_counter() - start
-        tokens += out.new_tokens
-        forwards += out.target_forwards
-        for j, seq in enumerate(out.sequences):
-            exact += seq.tokens == reference[i + j]
-            steps += len(seq.accepted)
-    return {
-        "batch_size": size,
-        "tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds,
-        "tau": (tokens - len(prompts)) / steps if steps else 1.0,
-        "batched_forwards": forwards,
-        "exact": exact,
-        "prompts": len(prompts),
-    }
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
 """Issue 7's GPU check, as one prepared script: decoder speed at batch 1 against the target alone.
 
 Part A, the bundled target (SmolLM2-135M-Instruct) in bfloat16: tokens/s of the target alone and of
-n-gram drafting (plus any ``--draft PATH``, e.g. an EAGLE head) on dev prompts, with the growing
-dynamic cache and with a static cache plus ``torch.compile`` (``--compile-mode``, CUDA graphs by
-default). Every output is compared with the target alone of the same setting.
+n-gram drafting (plus any ``--draft PATH``, e.g. an EAGLE head) on the first turns of dev prompts,
+through ``eval.evaluate``, with the growing dynamic cache and with a static cache plus
+``torch.compile`` (``--compile-mode``, CUDA graphs by default). Every output is compared with the
+target alone of the same setting.
 
 Part B, a random-init target shaped like Llama-3-8B (``--big``; 16 GB of bf16 weights) and a
 controlled-acceptance drafter: it knows the target's own greedy continuation (from a plain run) and
 proposes it, each token right with probability α (a wrong token ends the run of right ones), at no
 draft cost. Measured speedup is set against the ideal τ / (1 + k·c), where τ = (1 − α^(k+1)) / (1 − α)
-is the expected tokens per step and c the measured cost of a verify pass over a plain step, minus one
-(so 1 + k·c is what k + 1 tokens cost to verify, in plain steps).
+is the expected tokens per step (``decode.cost_model.expected_tokens``) and c the measured cost of a
+verify pass over a plain step (``eval.stats.SpeedupBound``), minus one, over k (so 1 + k·c is what k + 1
+tokens cost to verify, in plain steps). Runs are timed by the decoder (``eval.timed.decode_each``).
 
     python bench/gpu_check.py --out $OUT/gpu_check.json                 # on the GPU machine
     python bench/gpu_check.py --tiny --limit 2 --max-new-tokens 16      # CPU smoke test of the script
@@ -23,17 +25,20 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from dataclasses import replace
 
 import torch
 
+from draftsmith.decode.cost_model import expected_tokens
 from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.sampling import Sampling
-from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import Target, load_target
 from draftsmith.drafts import build_drafter
+from draftsmith.eval.harness import Method, evaluate, use_static_caches
 from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description, write_json
-from draftsmith.eval.stats import RunStats
+from draftsmith.eval.stats import RunStats, SpeedupBound
+from draftsmith.eval.timed import decode_each
 
 LLAMA3_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -79,44 +84,31 @@ def compile_widths(target: Target, prompt: torch.Tensor, k_max: int) -> None:
         target.forward(torch.zeros(width, dtype=torch.long, device=target.device))
 
 
-def timed(target: Target, prompts, drafter, k: int, max_new: int) -> dict:
-    """The prompts decoded one after another; acceptance and timing as eval/stats counts them."""
-    stats, outputs = RunStats(), []
-    for ids in prompts:
-        result = generate(target, ids, drafter, k=k, max_new_tokens=max_new)
-        stats = stats + RunStats.from_result(result)
-        outputs.append(result.tokens)
-    t, a = stats.timing, stats.acceptance
-    return {"tokens": t.new_tokens, "seconds": t.seconds, "tokens_per_s": t.tokens_per_s, "steps": a.num_steps,
-            "tau": a.tau if a.num_steps else 1.0, "verify_seconds": t.verify_seconds,
-            "seconds_per_step": t.verify_seconds / a.num_steps if a.num_steps else 0.0, "outputs": outputs}  # fmt: skip
-
-
 def part_a(args, device: str) -> list[dict]:
     target = load_target("smollm2-135m-instruct", device=device, dtype=args.dtype)
+    # first turns only; eval.evaluate warms every method up on the first before timing
     prompts = [
-        render(target.tokenizer, [{"role": "user", "content": q.turns[0]}])
-        for q in load_prompts(args.prompts, args.limit + 1, order="round-robin")
+        replace(q, turns=q.turns[:1]) for q in load_prompts(args.prompts, args.limit, order="round-robin")
     ]
-    warm, prompts = prompts[0], prompts[1:]
     drafters = {spec: build_drafter(spec, target) for spec in ["ngram", *args.draft]}
+    methods = [Method(spec, drafter, args.k) for spec, drafter in drafters.items()]
     rows = []
     for setting in ("dynamic", "static+compile"):
         if setting != "dynamic":
-            longest = max(p.numel() for p in [warm, *prompts])
-            target.use_static_cache(longest + args.max_new_tokens + args.k + 2)
-            target.compile(args.compile_mode)
-            compile_widths(target, warm, args.k)
-        methods = {"target alone": (None, 0), **{s: (d, args.k) for s, d in drafters.items()}}
-        for drafter, k in methods.values():  # warm-up: compiles every step width
-            generate(target, warm, drafter, k=k, max_new_tokens=args.max_new_tokens)
-        base = None
-        for name, (drafter, k) in methods.items():
-            r = timed(target, prompts, drafter, k, args.max_new_tokens)
-            base = base or r
-            rows.append({"part": "A", "setting": setting, "method": name, "tokens_per_s": r["tokens_per_s"],
-                         "speedup": r["tokens_per_s"] / base["tokens_per_s"], "tau": r["tau"],
-                         "exact": sum(a == b for a, b in zip(r["outputs"], base["outputs"])),
+            use_static_caches(
+                target, list(drafters.values()), prompts, args.max_new_tokens, args.k, args.compile_mode
+            )
+            first = render(target.tokenizer, [{"role": "user", "content": prompts[0].turns[0]}])
+            compile_widths(target, first, args.k)
+        result = evaluate(
+            target, methods, prompts, k=args.k, max_new_tokens=args.max_new_tokens, progress=False
+        )
+        base = result.baseline.total.timing.tokens_per_s
+        for method in [result.baseline, *result.drafts]:
+            timing, acceptance = method.total.timing, method.total.acceptance
+            rows.append({"part": "A", "setting": setting, "method": method.name,
+                         "tokens_per_s": timing.tokens_per_s, "speedup": timing.tokens_per_s / base,
+                         "tau": acceptance.tau, "exact": len(prompts) - len(method.mismatched_prompts),
                          "prompts": len(prompts)})  # fmt: skip
     return rows
 
@@ -143,30 +135,27 @@ def part_b(args, device: str) -> list[dict]:
         target.use_static_cache(args.big_prompt_len + args.max_new_tokens + max(args.big_ks) + 2)
         target.compile(args.compile_mode)
         compile_widths(target, prompts[0], max(args.big_ks))
-    references = [generate(target, p, None, max_new_tokens=args.max_new_tokens).tokens for p in prompts]
-    base = timed(target, prompts[1:], None, 0, args.max_new_tokens)
-    plain_step = base["seconds_per_step"]
+    max_new = args.max_new_tokens
+    references = decode_each(target, prompts, None, 0, max_new).outputs
+    base = decode_each(target, prompts[1:], None, 0, max_new).stats
     rows = []
     for k in args.big_ks:
         for alpha in args.alphas:
-            speeds = []
-            for i, p in enumerate(prompts):
-                drafter = ControlledDrafter(references[i], alpha, config.vocab_size, seed=i)
-                r = timed(target, [p], drafter, k, args.max_new_tokens)
-                if i:  # prompt 0 warms up (and compiles) this k
-                    speeds.append(r)
-            tokens = sum(r["tokens"] for r in speeds)
-            seconds = sum(r["seconds"] for r in speeds)
-            steps = sum(r["steps"] for r in speeds)
-            tau = sum(r["tau"] * r["steps"] for r in speeds) / steps  # eval/stats' τ, over all these steps
-            verify_step = sum(r["verify_seconds"] for r in speeds) / steps  # a verify pass of k + 1 tokens
-            c = (verify_step / plain_step - 1.0) / k
-            tau_ideal = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1.0
-            measured = (tokens / seconds) / base["tokens_per_s"]
-            exact = sum(r["outputs"][0] == references[i + 1] for i, r in enumerate(speeds))
-            rows.append({"part": "B", "k": k, "alpha": alpha, "tau": tau,
-                         "tau_ideal": tau_ideal, "c": c, "speedup": measured,
-                         "ideal_speedup": tau_ideal / (1 + k * c), "exact": exact, "prompts": len(speeds)})  # fmt: skip
+            runs = [  # prompt 0 warms up (and compiles) this k
+                decode_each(
+                    target, [p], ControlledDrafter(references[i], alpha, config.vocab_size, i), k, max_new
+                )
+                for i, p in enumerate(prompts)
+            ][1:]
+            stats = sum((r.stats for r in runs), RunStats())
+            bound = SpeedupBound.measure(stats, base)  # verify_cost: a pass over k + 1 tokens / a plain step
+            tau_ideal = expected_tokens([alpha] * k, k)
+            c = (bound.verify_cost - 1.0) / k
+            exact = sum(r.outputs[0] == references[i + 1] for i, r in enumerate(runs))
+            rows.append({"part": "B", "k": k, "alpha": alpha, "tau": stats.acceptance.tau,
+                         "tau_ideal": tau_ideal, "c": c,
+                         "speedup": stats.timing.tokens_per_s / base.timing.tokens_per_s,
+                         "ideal_speedup": tau_ideal / (1 + k * c), "exact": exact, "prompts": len(runs)})  # fmt: skip
     return rows
 
 
@@ -179,7 +168,7 @@ def _smollm2_dir() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", default="builtin:dev_prompts")
-    p.add_argument("--limit", type=int, default=6, help="timed prompts (one more warms up)")
+    p.add_argument("--limit", type=int, default=6, help="timed prompts (part B: one more warms up)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=5)
     p.add_argument(

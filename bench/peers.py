@@ -8,7 +8,8 @@ Runs, greedy and batch 1, on the first N dev prompts:
   ds:ngram                    draftsmith's n-gram drafter
   ds:layers:N                 draftsmith's layer-subset drafter (the same draft as hf:assisted)
   hf:assisted(NAME), ds:NAME  with --assistant DIR: a saved draft (e.g. distilled) in both decoders
-Every method warms up on one prompt first. Prints a table, writes JSON.
+Every method warms up on one prompt first, then all run interleaved prompt by prompt
+(``draftsmith.eval.timed.side_by_side``). Prints a table, writes JSON.
 
     python bench/peers.py --prompts builtin:dev_prompts --limit 12 --out bench/results/peers.json
 """
@@ -19,67 +20,16 @@ import argparse
 import time
 from pathlib import Path
 
-import torch
 from transformers import AutoModelForCausalLM
 
 from draftsmith.decode.cost_model import CostModel
 from draftsmith.decode.cpu_kernels import pack_for_decoding
-from draftsmith.decode.speculative import generate
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
 from draftsmith.drafts.layer_subset import layer_subset_view
 from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description, write_json
-
-
-def hf_runner(target, **kwargs):
-    model = target.model
-    eos = sorted(target.eos_ids)
-
-    def run(prompt: torch.Tensor, max_new: int) -> list[int]:
-        ids = prompt.view(1, -1).to(target.device)
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=eos[0],
-            **kwargs,
-        )
-        return out[0, ids.shape[1] :].tolist()
-
-    return run
-
-
-def ds_runner(target, drafter, k):
-    """draftsmith's decoder; k is fixed, or a CostModel kept across prompts (k = "auto")."""
-
-    def run(prompt: torch.Tensor, max_new: int) -> list[int]:
-        return generate(target, prompt, drafter, k=k, max_new_tokens=max_new).tokens
-
-    return run
-
-
-def time_runners(methods: dict, warmup: torch.Tensor, prompts, max_new_tokens: int) -> dict[str, dict]:
-    """Every runner warmed up on ``warmup``, then timed over ``prompts`` interleaved (all runners on
-    prompt 1, then on prompt 2, ...); per runner tokens, seconds, tokens/s, its outputs, and how many
-    equal the first runner's."""
-    for run in methods.values():
-        run(warmup, 16)
-    rows = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in methods}
-    for prompt in prompts:
-        for name, run in methods.items():
-            start = time.perf_counter()
-            out = run(prompt, max_new_tokens)
-            rows[name]["seconds"] += time.perf_counter() - start
-            rows[name]["tokens"] += len(out)
-            rows[name]["outputs"].append(out)
-    reference = next(iter(rows.values()))["outputs"]
-    for row in rows.values():
-        row["tokens_per_s"] = row["tokens"] / row["seconds"]
-        row["same_as_first"] = sum(a == b for a, b in zip(row["outputs"], reference))
-    return rows
+from draftsmith.eval.timed import draftsmith_decoder, side_by_side, transformers_decoder
 
 
 def main() -> None:
@@ -125,12 +75,12 @@ def main() -> None:
         spec: build_drafter(spec, target) for spec in ["ngram", f"layers:{args.layers}", *args.assistant]
     }
     methods = {
-        "hf:generate": hf_runner(target),
-        "hf:prompt_lookup": hf_runner(target, prompt_lookup_num_tokens=args.k),
-        f"hf:assisted(layers:{args.layers})": hf_runner(target, assistant_model=assistant),
-        "ds:baseline": ds_runner(target, None, 0),
-        "ds:ngram": ds_runner(target, drafters["ngram"], args.k),
-        f"ds:layers:{args.layers}": ds_runner(target, drafters[f"layers:{args.layers}"], args.k),
+        "hf:generate": transformers_decoder(target),
+        "hf:prompt_lookup": transformers_decoder(target, prompt_lookup_num_tokens=args.k),
+        f"hf:assisted(layers:{args.layers})": transformers_decoder(target, assistant_model=assistant),
+        "ds:baseline": draftsmith_decoder(target, None, 0),
+        "ds:ngram": draftsmith_decoder(target, drafters["ngram"], args.k),
+        f"ds:layers:{args.layers}": draftsmith_decoder(target, drafters[f"layers:{args.layers}"], args.k),
     }
     models = [target.model, assistant, *drafters.values()]
     for path in args.assistant:  # the same saved draft in both decoders
@@ -139,13 +89,13 @@ def main() -> None:
         model.generation_config = assistant.generation_config
         models.append(model)
         name = Path(path).parent.name if Path(path).name == "draft" else Path(path).name
-        methods[f"hf:assisted({name})"] = hf_runner(target, assistant_model=model)
-        methods[f"ds:{name}"] = ds_runner(target, drafters[path], args.k)
+        methods[f"hf:assisted({name})"] = transformers_decoder(target, assistant_model=model)
+        methods[f"ds:{name}"] = draftsmith_decoder(target, drafters[path], args.k)
         # transformers adapts its assistant's draft length; draftsmith's counterpart is the cost model
-        methods[f"ds:{name}(k=auto)"] = ds_runner(target, drafters[path], CostModel(k_max=args.k))
+        methods[f"ds:{name}(k=auto)"] = draftsmith_decoder(target, drafters[path], CostModel(k_max=args.k))
     if args.cpu_kernels == "packed":
         pack_for_decoding(*models)
-    rows = time_runners(methods, warmup, prompts, args.max_new_tokens)
+    rows = side_by_side(methods, warmup, prompts, args.max_new_tokens)
     for name, row in rows.items():
         print(
             f"{name:28s} {row['tokens_per_s']:7.2f} tok/s  ({row['tokens']} tokens, {row['seconds']:.1f} s, "

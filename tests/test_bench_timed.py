@@ -1,0 +1,98 @@
+"""The benchmarks' timed runs (eval/timed.py, eval/training_speed.py): what they did is eval/stats'
+record of the generations they ran, and the JSON rows the bench scripts write derive from it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import tiny_target
+
+from draftsmith.decode.speculative import generate
+from draftsmith.drafts import build_drafter
+from draftsmith.eval.stats import AcceptanceStats
+from draftsmith.eval.timed import (
+    batched_row,
+    decode_batched,
+    decode_each,
+    draftsmith_decoder,
+    side_by_side,
+    transformers_decoder,
+)
+from draftsmith.eval.training_speed import StepTimer, peak_flops
+
+MAX_NEW = 24
+
+
+def prompts() -> list[torch.Tensor]:
+    """Repetitive ones give the n-gram drafter accepted runs, a random one none."""
+    return [
+        torch.tensor([7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9, 10, 7, 8]),
+        torch.tensor([50, 60, 50, 60, 50, 60, 50]),
+        torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama")
+
+
+def test_decode_each_keeps_the_record_of_every_generation(target):
+    ngram = build_drafter("ngram", target)
+    run = decode_each(target, prompts(), ngram, 4, MAX_NEW)
+    alone = [generate(target, p, ngram, k=4, max_new_tokens=MAX_NEW) for p in prompts()]
+    assert run.outputs == [r.tokens for r in alone]
+    assert run.stats.acceptance == sum((AcceptanceStats.from_result(r) for r in alone), AcceptanceStats())
+    assert run.stats.acceptance.accepted_tokens > 0  # the record holds real drafting, not empty steps
+    timing = run.stats.timing
+    assert timing.generations == 3 and timing.new_tokens == sum(map(len, run.outputs)) and timing.seconds > 0
+
+
+def test_decode_batched_equals_one_at_a_time_and_counts_batched_passes(target):
+    ngram = build_drafter("ngram", target)
+    each = decode_each(target, prompts(), ngram, 4, MAX_NEW)
+    batched = decode_batched(target, prompts(), ngram, 4, 2, MAX_NEW)  # a batch of 2, then of 1
+    assert batched.outputs == each.outputs
+    # n-gram proposals depend on the tokens alone: the very same steps, so the very same record
+    assert batched.stats.acceptance == each.stats.acceptance
+    assert batched.stats.timing.generations == 3
+    assert batched.stats.timing.new_tokens == each.stats.timing.new_tokens
+    assert batched.stats.timing.target_forwards < each.stats.timing.target_forwards  # passes shared by rows
+
+
+def test_batched_row_derives_tau_and_exact_from_the_record(target):
+    ngram = build_drafter("ngram", target)
+    reference = decode_each(target, prompts(), None, 0, MAX_NEW).outputs
+    row = batched_row(target, prompts(), reference, ngram, 4, 3, MAX_NEW)
+    run = decode_batched(target, prompts(), ngram, 4, 3, MAX_NEW)
+    assert row["tau"] == run.stats.acceptance.tau > 1.0
+    assert row["exact"] == row["prompts"] == 3 and row["tokens"] == sum(map(len, reference))
+    assert row["batched_forwards"] == run.stats.timing.target_forwards
+    wrong = [[t + 1 for t in out] for out in reference[:2]] + reference[2:]
+    assert batched_row(target, prompts(), wrong, None, 0, 3, MAX_NEW)["exact"] == 1
+    assert batched_row(target, prompts(), reference, None, 0, 3, MAX_NEW)["tau"] == 1.0  # the target alone
+
+
+def test_side_by_side_times_every_decoder_on_every_prompt(target):
+    ngram = build_drafter("ngram", target)
+    decoders = {
+        "draftsmith alone": draftsmith_decoder(target, None, 0),
+        "transformers generate": transformers_decoder(target),
+        "draftsmith ngram": draftsmith_decoder(target, ngram, 4),
+        "wrong": lambda prompt, max_new: [0] * max_new,
+    }
+    rows = side_by_side(decoders, prompts()[0], prompts(), MAX_NEW)
+    assert list(rows) == list(decoders)
+    for name, row in rows.items():
+        assert len(row["outputs"]) == 3 and row["tokens"] == sum(map(len, row["outputs"])), name
+        assert row["seconds"] > 0 and row["tokens_per_s"] == row["tokens"] / row["seconds"], name
+    # greedy in float32: transformers' generate and draftsmith's loop, with or without drafts, agree
+    assert [rows[n]["same_as_first"] for n in decoders] == [3, 3, 3, 0]
+
+
+def test_step_timer_mfu_is_flops_per_token_times_tokens_per_second_over_peak():
+    timer = StepTimer()
+    assert timer.mfu(1e12) is None  # nothing timed yet
+    timer.flops_per_token, timer.tokens, timer.seconds = 2e9, 1000, 4.0
+    assert timer.mfu(1e12) == pytest.approx(2e9 * 1000 / 4.0 / 1e12)
+    assert peak_flops(torch.device("cpu")) is None and timer.mfu() is None  # no peak known on the CPU
