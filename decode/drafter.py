@@ -15,9 +15,10 @@ The token the target appended (correction or bonus) has no features yet; it arri
 entry of ``tokens`` in the next ``propose``.
 
 Optional capabilities, each asked of the drafter (the decoders never check its class): trees
-(``supports_tree``, ``propose_tree``, ``commit_tree``), batches (``batched``) and mirror decoding
-(``mirror``, ``rollout``: ``decode/mirror.py``). The kinds of draft
-live in ``drafts/``, above this layer.
+(``supports_tree``, ``propose_tree``, ``commit_tree``) and batches (``batched``) here; a decoding mode
+that needs more of a drafter states it beside its decoder, as a protocol the drafter implements (mirror
+decoding: ``GridDrafter`` in ``decode/mirror.py``), so this base knows no mode. The kinds of draft live
+in ``drafts/``, above this layer.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import torch
 from draftsmith.decode.sampling import Sampling
 
 if TYPE_CHECKING:
-    from draftsmith.decode.mirror import Grid, MirrorSettings
     from draftsmith.decode.tree import DraftTree, TreeSpec
 
 
@@ -88,29 +88,6 @@ class Drafter(ABC):
         raise NotImplementedError(
             f"drafter {self.name!r} ({type(self).__name__}) drafts chains only and cannot propose a tree; "
             "drop --tree for it, or use a drafter that drafts trees (an EAGLE head, ngram)"
-        )
-
-    # -- mirror decoding (optional; decode/mirror.py) ----------------------------------------------
-
-    mirror: MirrorSettings | None = None
-    """The early-exit layer, κ and γ of a draft trained on the target's early exit; None for others."""
-
-    def rollout(
-        self,
-        tokens: torch.Tensor,
-        drafted: torch.Tensor,
-        exit_hidden: torch.Tensor,
-        candidates: torch.Tensor,
-        gamma: int,
-        sampling: Sampling,
-        generator: torch.Generator | None,
-    ) -> Grid:
-        """The hypothesis grid: ``gamma`` draft tokens after every candidate. ``candidates`` [n + 1, κ] are
-        target ids at the verify positions of ``[tokens[-1]] + drafted`` (n tokens), whose early-exit
-        layer outputs are ``exit_hidden`` [n + 1, H]. Leaves the drafter's committed state as it was."""
-        raise NotImplementedError(
-            f"drafter {self.name!r} ({type(self).__name__}) is not a mirror draft; mirror decoding needs one "
-            "trained on the target's early exit (draft.kind: mirror)"
         )
 
     # -- batched decoding (optional; decode/batched.py) --------------------------------------------

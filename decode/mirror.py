@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.features import decoder_layers, final_norm, resolve_layer_ids
 from draftsmith.decode.sampling import Sampling, to_probs
-from draftsmith.decode.speculative import GREEDY, GenerationResult, _pick, commit_tokens, sync
+from draftsmith.decode.speculative import GREEDY, GenerationResult, commit_tokens, pick_token, sync
 from draftsmith.decode.target import Target
 from draftsmith.decode.verify import verify_greedy, verify_sampled
 
@@ -88,6 +89,30 @@ class MirrorSettings:
             )
 
 
+@runtime_checkable
+class GridDrafter(Protocol):
+    """A drafter that offers mirror decoding (``drafts/mirror.py``'s): a ``Drafter`` that also knows the
+    settings it was trained with and drafts the hypothesis grid. ``isinstance(drafter, GridDrafter)``
+    asks a drafter whether it offers the mode, as ``supports_tree`` and ``batched()`` ask for theirs."""
+
+    mirror: MirrorSettings
+    """The early-exit layer, κ and γ the draft was trained with."""
+
+    def rollout(
+        self,
+        tokens: torch.Tensor,
+        drafted: torch.Tensor,
+        exit_hidden: torch.Tensor,
+        candidates: torch.Tensor,
+        gamma: int,
+        sampling: Sampling,
+        generator: torch.Generator | None,
+    ) -> Grid:
+        """The hypothesis grid: ``gamma`` draft tokens after every candidate. ``candidates`` [n + 1, κ] are
+        target ids at the verify positions of ``[tokens[-1]] + drafted`` (n tokens), whose early-exit
+        layer outputs are ``exit_hidden`` [n + 1, H]. Leaves the drafter's committed state as it was."""
+
+
 @dataclass
 class MirrorResult(GenerationResult):
     """A generation by ``generate_mirror``: the usual counts plus each step's parts and the grid's hits."""
@@ -132,13 +157,15 @@ class ExitTimer:
         self.handle.remove()
 
 
-def check_mirror(target: Target, drafter: Drafter, settings: MirrorSettings) -> None:
-    """Clear errors for a drafter or settings mirror decoding cannot run with."""
-    if drafter.mirror is None:
+def check_mirror(target: Target, drafter: Drafter, settings: MirrorSettings | None) -> MirrorSettings:
+    """The settings to decode with (``settings``, else the draft's own); clear errors for a drafter or
+    settings mirror decoding cannot run with."""
+    if not isinstance(drafter, GridDrafter):
         raise ValueError(
             f"{drafter.name!r} ({type(drafter).__name__}) is not a mirror draft; mirror decoding needs one trained "
             "on the target's early exit (draft.kind: mirror)"
         )
+    settings = settings or drafter.mirror
     if settings.early_exit_layer != drafter.mirror.early_exit_layer:
         raise ValueError(
             f"the mirror draft {drafter.name!r} was trained on layer {drafter.mirror.early_exit_layer}'s outputs "
@@ -146,6 +173,7 @@ def check_mirror(target: Target, drafter: Drafter, settings: MirrorSettings) -> 
             f"draft.options.early_exit_layer={settings.early_exit_layer}"
         )
     resolve_layer_ids(target.model, [settings.early_exit_layer])  # inside the target's layers
+    return settings
 
 
 @torch.inference_mode()
@@ -167,8 +195,7 @@ def generate_mirror(
 ) -> MirrorResult:
     """Mirror decoding of up to ``max_new_tokens`` after ``prompt`` [S]. ``settings`` (κ, γ) default to the
     draft's own; the early-exit layer must be the one it was trained on."""
-    settings = settings or drafter.mirror
-    check_mirror(target, drafter, settings)
+    settings = check_mirror(target, drafter, settings)
     device = target.device
     prompt = prompt.to(device).view(-1)
     target.check_fits(prompt.shape[0], max_new_tokens)
@@ -189,7 +216,7 @@ def _decode(target, prompt, drafter, settings, max_new_tokens, sampling, generat
     sync(device)
     start = time.perf_counter()
     step = target.forward(prompt)
-    first = _pick(step.logits[-1], sampling, generator)
+    first = pick_token(step.logits[-1], sampling, generator)
     drafter.begin(prompt, {i: step.features[i] for i in drafter.capture_layers})
     sync(device)
     result = MirrorResult(tokens=[first], target_forwards=1)

@@ -63,7 +63,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _pick(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+def pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """The target's token from its logits [V]: the argmax when greedy, else drawn under ``sampling``."""
     if sampling.greedy:
         return int(logits.argmax(-1))
     return int(sample(to_probs(logits, sampling), generator))
@@ -123,7 +124,7 @@ def generate(
     sync(device)
     start = time.perf_counter()
     step = target.forward(prompt)
-    first = _pick(step.logits[-1], sampling, generator)
+    first = pick_token(step.logits[-1], sampling, generator)
     if drafter is not None:
         drafter.begin(prompt, step.features)
     sync(device)

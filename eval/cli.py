@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from draftsmith.eval import mirror_stats
 from draftsmith.eval.report import METRICS
 
 DESCRIPTION = """\
@@ -99,28 +100,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "step; --k is then unused. TOTAL = auto picks the node budget per step (0 = plain decoding, 4 .. 64) "
         "from measured tokens/s. Every draft must draft trees (EAGLE heads, Medusa heads, ngram)",
     )
-    p.add_argument(
-        "--mirror-kappa",
-        type=int,
-        default=None,
-        metavar="K",
-        help="mirror drafts: early-exit candidates per verify position (default: the draft's own)",
-    )
-    p.add_argument(
-        "--mirror-gamma",
-        type=int,
-        default=None,
-        metavar="G",
-        help="mirror drafts: draft tokens per branch, and per fresh proposal (default: the draft's own)",
-    )
-    p.add_argument(
-        "--channel-latency-ms",
-        type=float,
-        default=DEFAULT_CHANNEL_LATENCY_MS,
-        metavar="MS",
-        help="mirror drafts: the channel latency per step in the MODELLED two-device speed (modelled_speedup; "
-        f"default {DEFAULT_CHANNEL_LATENCY_MS:g} ms), which is reported apart from the measured speedup",
-    )
+    mirror_stats.add_options(p)
     p.add_argument(
         "--temperature",
         type=float,
@@ -213,10 +193,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-DEFAULT_CHANNEL_LATENCY_MS = 0.1
-"""eval.report's default, repeated here so ``--help`` needs no torch import (a test keeps them equal)."""
-
-
 def _k_arg(value: str) -> int | str:
     if value == "auto":
         return value
@@ -242,11 +218,7 @@ def _check(args: argparse.Namespace) -> list[str] | None:
         )
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    for flag, value in (("--mirror-kappa", args.mirror_kappa), ("--mirror-gamma", args.mirror_gamma)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
-    if args.channel_latency_ms < 0:
-        raise ValueError(f"--channel-latency-ms must be 0 or more, got {args.channel_latency_ms}")
+    mirror_stats.check_options(args)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be 0 or more prompts, got {args.warmup}")
     repeated = sorted({d for d in args.drafts if args.drafts.count(d) > 1})
@@ -272,29 +244,6 @@ def _check(args: argparse.Namespace) -> list[str] | None:
     return categories
 
 
-def _methods(drafts: list, args: argparse.Namespace) -> list:
-    """What ``evaluate`` runs: each draft as it is, a mirror draft with --mirror-kappa / --mirror-gamma."""
-    from dataclasses import replace
-
-    from draftsmith.eval.harness import Method
-
-    if (args.mirror_kappa is not None or args.mirror_gamma is not None) and not any(
-        d.mirror is not None for _, d in drafts
-    ):
-        raise ValueError(
-            "--mirror-kappa / --mirror-gamma set mirror decoding, but no --draft is a mirror draft (draft.kind: mirror)"
-        )
-    methods = []
-    for spec, drafter in drafts:
-        if drafter.mirror is None:
-            methods.append((spec, drafter))
-            continue
-        kappa = drafter.mirror.kappa if args.mirror_kappa is None else args.mirror_kappa
-        gamma = drafter.mirror.gamma if args.mirror_gamma is None else args.mirror_gamma
-        methods.append(Method(spec, drafter, mirror=replace(drafter.mirror, kappa=kappa, gamma=gamma)))
-    return methods
-
-
 def run(args: argparse.Namespace) -> int:
     """Load prompts, target and drafts; evaluate; print the table and write the reports."""
     from draftsmith.decode.cpu_kernels import int8_unavailable, pack_for_decoding, quantize_draft_linears
@@ -303,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     from draftsmith.decode.tree import TreeSpec
     from draftsmith.drafts import build_drafter
     from draftsmith.drafts.base import check_draft_files
-    from draftsmith.eval.harness import evaluate, use_static_caches
+    from draftsmith.eval.harness import Method, evaluate, use_static_caches
     from draftsmith.eval.prompts import load_prompts
     from draftsmith.eval.report import build_report, format_table, hardware_description, write_report
 
@@ -316,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
         check_draft_files(spec)  # a cut-short copy fails here, not after the target has loaded
     target = load_target(args.target, device=args.device, dtype=args.dtype, chat_template=args.chat_template)
     drafts = [(spec, build_drafter(spec, target)) for spec in args.drafts]
-    methods = _methods(drafts, args)
+    mirrors = mirror_stats.settings_from_options([d for _, d in drafts], args)
+    methods = [Method(spec, d, mirror=m) for (spec, d), m in zip(drafts, mirrors)]
     if args.draft_weights == "int8":
         why = int8_unavailable(target.device)
         if why is not None:
@@ -326,12 +276,7 @@ def run(args: argparse.Namespace) -> int:
         pack_for_decoding(target.model, *(drafter for _, drafter in drafts))
     if args.static_cache or args.compile != "off":
         k_max = args.k_max if args.k == "auto" else args.k
-        mirrored = [spec for spec, d in drafts if d.mirror is not None]
-        if mirrored and args.compile != "off":
-            raise ValueError(
-                f"--compile: mirror draft(s) {', '.join(mirrored)} time the target's forward at the early exit "
-                "with a hook, which a compiled forward does not run; drop --compile (--static-cache alone works)"
-            )
+        mirror_stats.refuse_compile(drafts, args.compile)
         use_static_caches(target, [d for _, d in drafts], prompts, args.max_new_tokens, k_max, args.compile)
     result = evaluate(
         target,

@@ -5,9 +5,10 @@ the same overheads. Methods run interleaved prompt by prompt (baseline, draft 1,
 spreads slow drift of the machine (thermal, other processes) evenly over them; a short untimed
 warm-up per method comes first. Each generation gets a fresh ``torch.Generator`` seeded with the
 same seed on the target's device, so sampled runs are reproducible. With a ``TreeSpec`` every draft
-runs through the tree decoder (``decode/tree_decode.py``); the baseline stays the plain loop. A mirror
-draft (one with ``drafter.mirror``) always runs through mirror decoding (``decode/mirror.py``), with its
-own κ and γ unless its ``Method`` names others.
+runs through the tree decoder (``decode/tree_decode.py``); the baseline stays the plain loop. A draft
+that offers mirror decoding (a ``GridDrafter``) always runs through it (``decode/mirror.py``), with its
+own κ and γ unless its ``Method`` names others; its own statistics ride in ``RunStats.mode``
+(``eval/mirror_stats.py``).
 """
 
 from __future__ import annotations
@@ -15,19 +16,20 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
 
 from draftsmith.decode.cost_model import CostModel, TreeBudget
 from draftsmith.decode.drafter import Drafter
-from draftsmith.decode.mirror import MirrorSettings, generate_mirror
+from draftsmith.decode.mirror import GridDrafter, MirrorResult, MirrorSettings, generate_mirror
 from draftsmith.decode.sampling import Sampling
-from draftsmith.decode.speculative import KPolicy, generate
+from draftsmith.decode.speculative import GenerationResult, KPolicy, generate
 from draftsmith.decode.target import Target
 from draftsmith.decode.tree import TreeSpec
 from draftsmith.decode.tree_decode import generate_tree
+from draftsmith.eval.mirror_stats import MirrorStats
 from draftsmith.eval.prompts import EvalPrompt, answer_text, render
 from draftsmith.eval.stats import RunStats
 
@@ -73,52 +75,16 @@ class EvalResult:
     greedy: bool
 
 
-def run_prompt(
-    target: Target,
-    drafter: Drafter | None,
-    prompt: EvalPrompt,
-    k: KPolicy,
-    max_new_tokens: int,
-    sampling: Sampling,
-    seed: int,
-    tree: TreeSpec | TreeBudget | None = None,
-    chosen_k: Counter[int] | None = None,
-    truncated: list[int] | None = None,
-    mirror: MirrorSettings | None = None,
-) -> tuple[list[list[int]], RunStats]:
-    """Generate an answer to every turn of ``prompt``; turn i+1 sees the method's own answer to turn i.
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What every method of one evaluation shares: the budget per turn, the sampling and its seed, and the
+    largest k a cost model may pick."""
 
-    With ``tree`` a drafter proposes token trees of that shape instead of chains of k tokens.
-    ``chosen_k`` (optional) counts the k (or tree budget) used at each verify step. With ``truncated``
-    (a one-item counter), a rendered turn that does not fit the target's context keeps its last tokens
-    and is counted; without it, such a turn is refused (``Target.check_fits``). ``mirror``: a mirror
-    draft's κ and γ when not its own.
-    """
-    generator = torch.Generator(device=target.device).manual_seed(seed)
-    conversation: list[dict[str, str]] = []
-    outputs: list[list[int]] = []
-    stats = RunStats()
-    for turn in prompt.turns:
-        conversation.append({"role": "user", "content": turn})
-        ids = render(target.tokenizer, conversation)
-        room = (target.context_length or 0) - max_new_tokens
-        if truncated is not None and target.context_length and ids.shape[0] > room:
-            ids, truncated[0] = ids[-max(room, 1) :], truncated[0] + 1
-        result = _generate(target, ids, drafter, k, tree, max_new_tokens, sampling, generator, mirror)
-        outputs.append(result.tokens)
-        stats = stats + RunStats.from_result(result)
-        if chosen_k is not None:
-            chosen_k.update(result.chosen_k)
-        conversation.append({"role": "assistant", "content": answer_text(target.tokenizer, result.tokens)})
-    return outputs, stats
-
-
-def _generate(target, ids, drafter, k, tree, max_new_tokens, sampling, generator, mirror=None):
-    if drafter is not None and drafter.mirror is not None:
-        return generate_mirror(target, ids, drafter, mirror, max_new_tokens, sampling, generator)
-    if tree is not None and drafter is not None:
-        return generate_tree(target, ids, drafter, tree, max_new_tokens, sampling, generator)
-    return generate(target, ids, drafter, k, max_new_tokens, sampling, generator)
+    max_new_tokens: int = 256
+    sampling: Sampling = field(default_factory=Sampling)
+    seed: int = 0
+    """Each generation draws from a fresh ``torch.Generator`` seeded with it."""
+    k_max: int = 8
 
 
 @dataclass
@@ -134,16 +100,18 @@ class Method:
     mirror: MirrorSettings | None = None
     """A mirror draft's κ and γ, when not the ones it was trained with (its early-exit layer is fixed)."""
 
-    def fresh_policy(self, k_max: int) -> tuple[KPolicy, TreeSpec | TreeBudget | None]:
-        """The k policy and tree this method starts a run with (a new cost model / budget for adaptive ones)."""
+    def fresh(self, k_max: int) -> Method:
+        """This method as a run starts it: a new cost model / tree budget for adaptive ones."""
         k = CostModel(k_max=k_max) if self.k == "auto" else self.k
-        return k, copy.deepcopy(self.tree) if isinstance(self.tree, TreeBudget) else self.tree
+        tree = copy.deepcopy(self.tree) if isinstance(self.tree, TreeBudget) else self.tree
+        return replace(self, k=k, tree=tree)
 
     @property
     def decoding(self) -> str:
-        """How it decodes, as ``_generate`` picks: "mirror" (a mirror draft), "tree" (with a tree) or "chain"."""
-        if self.drafter is not None and self.drafter.mirror is not None:
-            return "mirror"
+        """How it decodes, as ``_generate`` picks: "mirror" (a drafter that offers mirror decoding, a
+        ``GridDrafter``), "tree" (with a tree) or "chain"."""
+        if isinstance(self.drafter, GridDrafter):
+            return MirrorStats.key
         return "tree" if self.drafter is not None and self.tree is not None else "chain"
 
     @property
@@ -153,33 +121,70 @@ class Method:
         )
 
 
-def warm_up(
+def run_prompt(
     target: Target,
-    methods: Sequence[Method],
-    prompts: Sequence[EvalPrompt],
-    max_new_tokens: int,
-    sampling: Sampling,
-    seed: int,
-    k_max: int = 8,
+    method: Method,
+    prompt: EvalPrompt,
+    settings: GenerationSettings,
+    chosen_k: Counter[int] | None = None,
+    truncated: list[int] | None = None,
+) -> tuple[list[list[int]], RunStats]:
+    """Generate an answer to every turn of ``prompt``; turn i+1 sees the method's own answer to turn i.
+
+    ``method`` as a run holds it (``Method.fresh``: a live cost model or tree budget). ``chosen_k``
+    (optional) counts the k (or tree budget) used at each verify step. With ``truncated`` (a one-item
+    counter), a rendered turn that does not fit the target's context keeps its last tokens and is counted;
+    without it, such a turn is refused (``Target.check_fits``).
+    """
+    generator = torch.Generator(device=target.device).manual_seed(settings.seed)
+    conversation: list[dict[str, str]] = []
+    outputs: list[list[int]] = []
+    stats = RunStats()
+    for turn in prompt.turns:
+        conversation.append({"role": "user", "content": turn})
+        ids = render(target.tokenizer, conversation)
+        room = (target.context_length or 0) - settings.max_new_tokens
+        if truncated is not None and target.context_length and ids.shape[0] > room:
+            ids, truncated[0] = ids[-max(room, 1) :], truncated[0] + 1
+        result = _generate(target, ids, method, settings, generator)
+        outputs.append(result.tokens)
+        stats = stats + run_stats(result)
+        if chosen_k is not None:
+            chosen_k.update(result.chosen_k)
+        conversation.append({"role": "assistant", "content": answer_text(target.tokenizer, result.tokens)})
+    return outputs, stats
+
+
+def _generate(
+    target: Target, ids: torch.Tensor, method: Method, settings: GenerationSettings, generator
+) -> GenerationResult:
+    drafter, new, sampling = method.drafter, settings.max_new_tokens, settings.sampling
+    decoding = method.decoding
+    if decoding == MirrorStats.key:
+        return generate_mirror(target, ids, drafter, method.mirror, new, sampling, generator)
+    if decoding == "tree":
+        return generate_tree(target, ids, drafter, method.tree, new, sampling, generator)
+    return generate(target, ids, drafter, method.k, new, sampling, generator)
+
+
+def run_stats(result: GenerationResult) -> RunStats:
+    """A generation's statistics, with its decoding mode's own (mirror decoding's branch reuse and part times)."""
+    return RunStats.from_result(
+        result, MirrorStats.from_result(result) if isinstance(result, MirrorResult) else None
+    )
+
+
+def warm_up(
+    target: Target, methods: Sequence[Method], prompts: Sequence[EvalPrompt], settings: GenerationSettings
 ) -> None:
     """One short untimed generation per method and prompt (first turn only): kernels, caches, allocator.
     Adaptive methods warm up on throwaway cost models, so timing starts without what they learnt here."""
+    short = replace(settings, max_new_tokens=min(settings.max_new_tokens, WARMUP_TOKENS))
     for prompt in prompts:
         ids = render(target.tokenizer, [{"role": "user", "content": prompt.turns[0]}])
         for method in methods:
-            generator = torch.Generator(device=target.device).manual_seed(seed)
-            k, tree = method.fresh_policy(k_max)
-            _generate(
-                target,
-                ids,
-                method.drafter,
-                k,
-                tree,
-                min(max_new_tokens, WARMUP_TOKENS),
-                sampling,
-                generator,
-                method.mirror,
-            )
+            generator = torch.Generator(device=target.device).manual_seed(settings.seed)
+            _generate(target, ids, method.fresh(settings.k_max), short, generator)
 
 
 def static_cache_length(
@@ -268,13 +273,15 @@ def evaluate(
     runs (``check_context``), unless ``truncate_prompts``: then it keeps its last tokens, counted in each
     method's ``truncated``.
     """
-    sampling = sampling if sampling is not None else Sampling()
+    settings = GenerationSettings(
+        max_new_tokens, sampling if sampling is not None else Sampling(), seed, k_max
+    )
     if not prompts:
         raise ValueError("no prompts to evaluate")
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     drafted = [
-        Method(d.name, d.drafter, k if d.k is None else d.k, tree if d.tree is None else d.tree, d.mirror)
+        replace(d, k=k if d.k is None else d.k, tree=tree if d.tree is None else d.tree)
         if isinstance(d, Method)
         else Method(d[0], d[1], k, tree)
         for d in drafts
@@ -284,7 +291,7 @@ def evaluate(
             raise ValueError(
                 f"--k must be at least 1 (draft tokens per step) or 'auto', got {m.k!r} for {m.name}"
             )
-    mirrored = [m.name for m in drafted if m.tree is not None and m.drafter.mirror is not None]
+    mirrored = [m.name for m in drafted if m.tree is not None and m.decoding == MirrorStats.key]
     if mirrored:
         raise ValueError(
             f"--tree asked for, but draft(s) {', '.join(mirrored)} are mirror drafts, which decode by mirror "
@@ -300,29 +307,17 @@ def evaluate(
         check_context(target, prompts, max_new_tokens)
     methods = [Method(BASELINE, None, 0), *drafted]
     results = [MethodResult(m.name, decoding=m.decoding) for m in methods]
-    warm_up(target, methods, prompts[: max(warmup, 0)], max_new_tokens, sampling, seed, k_max)
-    policies = [m.fresh_policy(k_max) for m in methods]
-    for result, (policy, shape) in zip(results, policies):
-        result.policy = shape if isinstance(shape, TreeBudget) else policy
+    warm_up(target, methods, prompts[: max(warmup, 0)], settings)
+    runs = [m.fresh(k_max) for m in methods]
+    for result, method in zip(results, runs):
+        result.policy = method.tree if isinstance(method.tree, TreeBudget) else method.k
 
     bar = tqdm(prompts, desc="eval", unit="prompt", disable=None if progress is None else not progress)
     for prompt in bar:
-        for method, result, (policy, shape) in zip(methods, results, policies):
-            chosen = result.chosen_k if method.adaptive else None
+        for method, running, result in zip(methods, runs, results):
+            chosen = result.chosen_k if method.adaptive else None  # asked of the method as given: "auto"
             cut = [0] if truncate_prompts else None
-            outputs, stats = run_prompt(
-                target,
-                method.drafter,
-                prompt,
-                policy,
-                max_new_tokens,
-                sampling,
-                seed,
-                shape,
-                chosen,
-                cut,
-                method.mirror,
-            )
+            outputs, stats = run_prompt(target, running, prompt, settings, chosen, cut)
             result.record(prompt.category, stats, outputs)
             result.truncated += cut[0] if cut else 0
         if drafted:
@@ -332,10 +327,10 @@ def evaluate(
     bar.close()
 
     categories = list(dict.fromkeys(p.category for p in prompts))
-    if sampling.greedy:
+    if settings.sampling.greedy:
         for result in results[1:]:
             compare_outputs(results[0], result, prompts)
-    return EvalResult(results[0], results[1:], categories, sampling.greedy)
+    return EvalResult(results[0], results[1:], categories, settings.sampling.greedy)
 
 
 def compare_outputs(baseline: MethodResult, result: MethodResult, prompts: Sequence[EvalPrompt]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 from pathlib import Path
@@ -11,12 +10,13 @@ from pathlib import Path
 import torch
 
 from draftsmith import files
-from draftsmith.decode.mirror import PARTS
 from draftsmith.eval.harness import BASELINE, EvalResult, MethodResult
+from draftsmith.eval.mirror_stats import MirrorStats
+from draftsmith.eval.numbers import cell, json_number, json_ratio
 from draftsmith.eval.plots import PLOT_NAME
 from draftsmith.eval.stats import RunStats, SpeedupBound
 
-METRICS = """\
+_METRICS = """\
 τ (tau)   tokens committed per target verify forward, the target's bonus/correction token included
           (mean of accepted + 1 over verify steps; 1.0 for the target alone).
 α (alpha) accepted draft tokens / proposed draft tokens.
@@ -31,28 +31,14 @@ bound     the speedup the measured acceptance and costs allow (chain drafting): 
 eff       measured speedup / bound: the share of the bound the run delivered (time between the steps and
           prefill are outside the bound). Low eff: the decoder falls short; low bound: the draft
           (acceptance, or what drafting costs).
-exact     greedy only: every output equals the target alone's, token for token (— when sampling).
-mirror drafts (decode/mirror.py), measured on this one device: hit rate = steps whose proposal was a
-          reused branch / steps that had a grid to reuse from; ms per step of each part (fresh draft on a
-          miss, target up to the early exit, the early-exit LM head, target after it, the grid's
-          rollouts, verify).
-modelled_speedup  a MODEL, not a measurement: the same parts with the rollouts overlapping the target
-          after the early exit, as on a second device, plus the channel latency per step, against the
-          target alone measured here (docs/DECODING.md, "Mirror decoding")."""
+exact     greedy only: every output equals the target alone's, token for token (— when sampling)."""
 
-DEFAULT_CHANNEL_LATENCY_MS = 0.1
-"""The modelled channel's latency per mirror step, when ``settings`` name none: the early-exit
-candidates sent to the draft's device and its branches back, two small messages (tens of µs each
-between GPUs of one node)."""
+MODES = (MirrorStats,)
+"""Decoding modes that measure more than acceptance and timing (``RunStats.mode``): each brings its entry
+of a draft's report, its table and its lines of the metric definitions."""
 
-
-def _num(x: float | None) -> float | None:
-    """JSON has no NaN: undefined rates (nothing proposed) become null."""
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return _num(a / b) if b and not math.isnan(a) and not math.isnan(b) else None
+METRICS = "\n".join([_METRICS, *(mode.metrics for mode in MODES)])
+"""The metric definitions: ``draftsmith eval --help``, report.md, the card."""
 
 
 def cpu_model() -> str:
@@ -79,7 +65,7 @@ def hardware_description(device: torch.device, dtype: torch.dtype) -> str:
 def _timing_fields(stats: RunStats) -> dict:
     t = stats.timing
     return {
-        "tokens_per_s": _num(t.tokens_per_s),
+        "tokens_per_s": json_number(t.tokens_per_s),
         "new_tokens": t.new_tokens,
         "seconds": t.seconds,
         "prefill_seconds": t.prefill_seconds,
@@ -90,37 +76,21 @@ def _timing_fields(stats: RunStats) -> dict:
     }
 
 
-def _mirror_entry(draft: MethodResult, baseline: MethodResult, latency_ms: float) -> dict:
-    """A mirror draft's branch reuse and part times (measured) and its two-device speed (MODELLED)."""
-    m, t = draft.total.mirror, draft.total.timing
-    steps = max(m.steps, 1)
-    modelled = t.new_tokens / m.two_device_seconds(latency_ms / 1000)
-    return {
-        "branch_reuse_hit_rate": _num(m.hit_rate),
-        "hits": m.hits,
-        "reuse_chances": m.reuse_chances,
-        "ms_per_step": {part: 1000 * sec / steps for part, sec in zip(PARTS, m.part_seconds)},
-        "channel_latency_ms": latency_ms,
-        "modelled_two_device_tokens_per_s": _num(modelled),
-        "modelled_speedup": _ratio(modelled, baseline.total.timing.tokens_per_s),
-    }
-
-
 NO_BOUND = {
     "tree": "no bound: it is for chain drafting; a tree's tokens per step depend on its shape, not on "
     "per-position rates alone",
-    "mirror": "no bound: it is for chain drafting; mirror decoding reuses branches (see modelled_speedup)",
+    **{mode.key: mode.no_bound for mode in MODES},
 }
 
 
 def _speedups(stats: RunStats, base: RunStats, decoding: str) -> dict:
     """The measured speedup, the bound its steps allow (chain drafting only) and measured / bound."""
-    speedup = _ratio(stats.timing.tokens_per_s, base.timing.tokens_per_s)
+    speedup = json_ratio(stats.timing.tokens_per_s, base.timing.tokens_per_s)
     bound = SpeedupBound.measure(stats, base) if decoding == "chain" else None
     return {
         "speedup": speedup,
-        "speedup_bound": None if bound is None else _num(bound.speedup),
-        "efficiency": None if bound is None or speedup is None else _num(bound.efficiency(speedup)),
+        "speedup_bound": None if bound is None else json_number(bound.speedup),
+        "efficiency": None if bound is None or speedup is None else json_number(bound.efficiency(speedup)),
     }
 
 
@@ -130,25 +100,23 @@ def _bound_inputs(stats: RunStats, base: RunStats, decoding: str) -> dict:
     if bound is None:
         return {"note": NO_BOUND.get(decoding, "no bound: no decode step was timed")}
     return {
-        "expected_tokens": _num(bound.expected_tokens),
+        "expected_tokens": json_number(bound.expected_tokens),
         "chain_lengths": {str(n): c for n, c in bound.chain_lengths.items()},
-        "mean_chain_length": _num(bound.mean_chain_length),
-        "draft_cost": _num(bound.draft_cost),
-        "draft_cost_per_token": _num(bound.draft_cost_per_token),
-        "verify_cost": _num(bound.verify_cost),
+        "mean_chain_length": json_number(bound.mean_chain_length),
+        "draft_cost": json_number(bound.draft_cost),
+        "draft_cost_per_token": json_number(bound.draft_cost_per_token),
+        "verify_cost": json_number(bound.verify_cost),
         "plain_step_ms": 1000 * bound.plain_step_seconds,
     }
 
 
-def _draft_entry(
-    draft: MethodResult, baseline: MethodResult, categories: list[str], latency_ms: float
-) -> dict:
+def _draft_entry(draft: MethodResult, baseline: MethodResult, categories: list[str], settings: dict) -> dict:
     acc = draft.total.acceptance
     entry = {
         "name": draft.name,
-        "tau": _num(acc.tau),
-        "alpha": _num(acc.alpha),
-        "per_position": [_num(x) for x in acc.per_position],
+        "tau": json_number(acc.tau),
+        "alpha": json_number(acc.alpha),
+        "per_position": [json_number(x) for x in acc.per_position],
         **_timing_fields(draft.total),
         **_speedups(draft.total, baseline.total, draft.decoding),
         "bound": _bound_inputs(draft.total, baseline.total, draft.decoding),
@@ -157,16 +125,17 @@ def _draft_entry(
         "acceptance": {**acc.to_dict(), "proposed_at": acc.proposed_at, "accepted_at": acc.accepted_at},
         "categories": {},
     }
-    if draft.total.mirror is not None:
-        entry["mirror"] = _mirror_entry(draft, baseline, latency_ms)
+    mode = draft.total.mode
+    if mode is not None:
+        entry[mode.key] = mode.entry(draft.total.timing, baseline.total.timing, settings)
     if draft.chosen_k:  # k = "auto": verify steps per chosen k (0 = plain decoding)
         entry["chosen_k"] = {str(k): n for k, n in sorted(draft.chosen_k.items())}
     for cat in categories:
         stats, base = draft.categories[cat], baseline.categories[cat]
         entry["categories"][cat] = {
-            "tau": _num(stats.acceptance.tau),
-            "alpha": _num(stats.acceptance.alpha),
-            "tokens_per_s": _num(stats.timing.tokens_per_s),
+            "tau": json_number(stats.acceptance.tau),
+            "alpha": json_number(stats.acceptance.alpha),
+            "tokens_per_s": json_number(stats.timing.tokens_per_s),
             **_speedups(stats, base, draft.decoding),
             "exact_match": draft.category_exact.get(cat),
             "new_tokens": stats.timing.new_tokens,
@@ -181,7 +150,7 @@ def build_report(result: EvalResult, target: str, settings: dict, hardware: str)
     for cat in result.categories:
         stats = base.categories[cat]
         baseline["categories"][cat] = {
-            "tokens_per_s": _num(stats.timing.tokens_per_s),
+            "tokens_per_s": json_number(stats.timing.tokens_per_s),
             "new_tokens": stats.timing.new_tokens,
             "seconds": stats.timing.seconds,
             "generations": stats.timing.generations,
@@ -193,18 +162,9 @@ def build_report(result: EvalResult, target: str, settings: dict, hardware: str)
         "greedy": result.greedy,
         "categories": result.categories,
         "baseline": baseline,
-        "drafts": [
-            _draft_entry(
-                d, base, result.categories, settings.get("channel_latency_ms", DEFAULT_CHANNEL_LATENCY_MS)
-            )
-            for d in result.drafts
-        ],
+        "drafts": [_draft_entry(d, base, result.categories, settings) for d in result.drafts],
         "truncated_generations": base.truncated,
     }
-
-
-def _f(x: float | None, spec: str) -> str:
-    return "—" if x is None else format(x, spec)
 
 
 def _exact(x: bool | None) -> str:
@@ -215,12 +175,12 @@ def _row(name: str, category: str, s: dict) -> list[str]:
     return [
         name,
         category,
-        _f(s["tau"], ".2f"),
-        _f(s["alpha"], ".2f"),
-        _f(s["tokens_per_s"], ".1f"),
-        _f(s["speedup"], ".2f"),
-        _f(s.get("speedup_bound"), ".2f"),
-        _f(s.get("efficiency"), ".2f"),
+        cell(s["tau"], ".2f"),
+        cell(s["alpha"], ".2f"),
+        cell(s["tokens_per_s"], ".1f"),
+        cell(s["speedup"], ".2f"),
+        cell(s.get("speedup_bound"), ".2f"),
+        cell(s.get("efficiency"), ".2f"),
         _exact(s["exact_match"]),
     ]
 
@@ -253,42 +213,16 @@ def format_table(report: dict) -> str:
         for r in rows
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    mirrors = mirror_rows(report)
-    if mirrors:
-        widths = [max(len(r[i]) for r in mirrors) for i in range(len(mirrors[0]))]
-        lines += ["", MIRROR_TITLE]
-        lines += [
-            "  ".join(cell.ljust(w) if i < 1 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
-            for r in mirrors
-        ]
-    return "\n".join(lines)
-
-
-MIRROR_TITLE = (
-    "mirror decoding, ms per step measured on this device; modelled_speedup is a MODEL of two devices, "
-    "not a measurement (docs/DECODING.md):"
-)
-
-
-def mirror_rows(report: dict) -> list[list[str]]:
-    """Header + one row per mirror draft: hit rate, ms per part, measured and modelled speedup."""
-    rows = []
-    for d in report["drafts"]:
-        m = d.get("mirror")
-        if m is None:
-            continue
-        ms = [_f(m["ms_per_step"][p], ".2f") for p in PARTS]
-        rows.append(
-            [
-                d["name"],
-                _f(m["branch_reuse_hit_rate"], ".2f"),
-                *ms,
-                _f(d["speedup"], ".2f"),
-                f"{_f(m['modelled_speedup'], '.2f')} (latency {m['channel_latency_ms']:g} ms)",
+    for mode in MODES:
+        rows = mode.rows(report)
+        if rows:
+            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+            lines += ["", mode.title]
+            lines += [
+                "  ".join(c.ljust(w) if i < 1 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                for r in rows
             ]
-        )
-    header = ["draft", "hit rate", *(f"{p} ms" for p in PARTS), "measured speedup", "modelled_speedup"]
-    return [header, *rows] if rows else []
+    return "\n".join(lines)
 
 
 BOUND_HEADER = [
@@ -317,12 +251,16 @@ def bound_section(report: dict) -> list[str]:
         cells = [
             d["name"],
             ks,
-            _f(b["expected_tokens"], ".2f"),
-            _f(d["tau"], ".2f"),
-            _f(b["draft_cost"], ".2f"),
+            cell(b["expected_tokens"], ".2f"),
+            cell(d["tau"], ".2f"),
+            cell(b["draft_cost"], ".2f"),
         ]
-        cells += [_f(b["verify_cost"], ".2f"), _f(b["plain_step_ms"], ".2f"), _f(d["speedup_bound"], ".2f")]
-        rows.append([*cells, _f(d["speedup"], ".2f"), _f(d["efficiency"], ".2f")])
+        cells += [
+            cell(b["verify_cost"], ".2f"),
+            cell(b["plain_step_ms"], ".2f"),
+            cell(d["speedup_bound"], ".2f"),
+        ]
+        rows.append([*cells, cell(d["speedup"], ".2f"), cell(d["efficiency"], ".2f")])
     if not rows and not notes:
         return []
     out = [
@@ -371,7 +309,7 @@ def format_markdown(report: dict) -> str:
         out += ["", "Per-position acceptance, P(token i accepted | tokens before it accepted):", ""]
         out += ["| draft | " + " | ".join(str(i + 1) for i in range(k)) + " |", "|---" + "|---:" * k + "|"]
         for d in report["drafts"]:
-            cells = [_f(x, ".2f") for x in d["per_position"]] + ["—"] * (k - len(d["per_position"]))
+            cells = [cell(x, ".2f") for x in d["per_position"]] + ["—"] * (k - len(d["per_position"]))
             out.append(f"| {d['name']} | " + " | ".join(cells) + " |")
         chosen = [(d["name"], d["chosen_k"]) for d in report["drafts"] if d.get("chosen_k")]
         if chosen:
@@ -382,16 +320,17 @@ def format_markdown(report: dict) -> str:
             ]
             out += [f"- {name}: " + ", ".join(f"k={k}: {n}" for k, n in ks.items()) for name, ks in chosen]
     out += bound_section(report)
-    mirrors = mirror_rows(report)
-    if mirrors:
-        out += [
-            "",
-            MIRROR_TITLE,
-            "",
-            "| " + " | ".join(mirrors[0]) + " |",
-            "|---" + "|---:" * (len(mirrors[0]) - 1) + "|",
-        ]
-        out += ["| " + " | ".join(r) + " |" for r in mirrors[1:]]
+    for mode in MODES:
+        rows = mode.rows(report)
+        if rows:
+            out += [
+                "",
+                mode.title,
+                "",
+                "| " + " | ".join(rows[0]) + " |",
+                "|---" + "|---:" * (len(rows[0]) - 1) + "|",
+            ]
+            out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
     if report["drafts"]:
         out += ["", "![per-position acceptance and τ by category](acceptance.png)"]
     out += ["", "```", METRICS, "```", ""]

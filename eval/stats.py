@@ -13,9 +13,9 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Protocol
 
 from draftsmith.decode.cost_model import expected_tokens
-from draftsmith.decode.mirror import PARTS, MirrorResult
 from draftsmith.decode.speculative import GenerationResult
 
 
@@ -172,68 +172,47 @@ class Timing:
         return self.new_tokens / self.seconds if self.seconds > 0 else math.nan
 
 
-@dataclass
-class MirrorTiming:
-    """Mirror decoding's branch reuse and the time of each part of its steps (``decode/mirror.py``),
-    summed over generations."""
+class ModeStats(Protocol):
+    """What a decoding mode measures beyond acceptance and timing, summed over generations like them, and
+    what the report shows of it (mirror decoding: ``eval/mirror_stats.py``; ``eval/report.py`` lists them)."""
 
-    steps: int = 0
-    hits: int = 0
-    """Steps whose proposal was a branch of the previous step's grid."""
-    reuse_chances: int = 0
-    """Steps that had a previous grid to reuse from."""
-    part_seconds: tuple[float, ...] = (0.0,) * len(PARTS)
-    """Seconds in each of ``decode.mirror.PARTS``."""
-    overlapped_seconds: float = 0.0
-    """``MirrorResult.overlapped_seconds``: the modelled two-device time before the channel's."""
+    key: ClassVar[str]
+    """The mode's name (``Method.decoding``) and its entry's key in a draft's report.json entry."""
+    no_bound: ClassVar[str]
+    """Why the report gives the mode no speedup bound."""
+    title: ClassVar[str]
+    """The title of the mode's table."""
+    metrics: ClassVar[str]
+    """The mode's lines of the metric definitions."""
 
-    @classmethod
-    def from_result(cls, result: MirrorResult) -> MirrorTiming:
-        parts = tuple(sum(step[i] for step in result.parts) for i in range(len(PARTS)))
-        return cls(len(result.parts), result.hits, result.reuse_chances, parts, result.overlapped_seconds())
+    def __add__(self, other: Any) -> Any: ...
 
-    def add(self, other: MirrorTiming) -> MirrorTiming:
-        return MirrorTiming(
-            self.steps + other.steps,
-            self.hits + other.hits,
-            self.reuse_chances + other.reuse_chances,
-            tuple(a + b for a, b in zip(self.part_seconds, other.part_seconds)),
-            self.overlapped_seconds + other.overlapped_seconds,
-        )
+    def entry(self, timing: Timing, baseline: Timing, settings: dict) -> dict:
+        """The draft's entry under ``key``, from its timing, the target alone's and the eval's settings."""
 
-    __add__ = add
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.reuse_chances if self.reuse_chances else math.nan
-
-    def two_device_seconds(self, channel_latency: float) -> float:
-        """MODELLED two-device wall time (``MirrorResult.two_device_seconds``), never a measurement."""
-        return self.overlapped_seconds + channel_latency * self.steps
+    @staticmethod
+    def rows(report: dict) -> list[list[str]]:
+        """The mode's table over a report: a header and a row per draft of the mode; empty for none."""
 
 
 @dataclass
 class RunStats:
-    """Acceptance and timing of one method over some generations; ``mirror`` for mirror decoding."""
+    """Acceptance and timing of one method over some generations, and its decoding mode's own statistics."""
 
     acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
     timing: Timing = field(default_factory=Timing)
-    mirror: MirrorTiming | None = None
+    mode: ModeStats | None = None
+    """What the method's decoding mode measures beyond these (None for chains and trees)."""
 
     @classmethod
-    def from_result(cls, result: GenerationResult) -> RunStats:
-        mirror = MirrorTiming.from_result(result) if isinstance(result, MirrorResult) else None
-        return cls(AcceptanceStats.from_result(result), Timing.from_result(result), mirror)
+    def from_result(cls, result: GenerationResult, mode: ModeStats | None = None) -> RunStats:
+        return cls(AcceptanceStats.from_result(result), Timing.from_result(result), mode)
 
     def add(self, other: RunStats) -> RunStats:
-        mirror = (
-            self.mirror
-            if other.mirror is None
-            else other.mirror
-            if self.mirror is None
-            else self.mirror + other.mirror
+        mode = (
+            self.mode if other.mode is None else other.mode if self.mode is None else self.mode + other.mode
         )
-        return RunStats(self.acceptance + other.acceptance, self.timing + other.timing, mirror)
+        return RunStats(self.acceptance + other.acceptance, self.timing + other.timing, mode)
 
     __add__ = add
 
@@ -252,7 +231,7 @@ class SpeedupBound:
     It is what the draft would reach if its loop spent nothing outside drafting and verifying:
     ``efficiency`` (measured / bound) below 1 is the decoder's shortfall (time between steps, prefill),
     a low bound the draft's. Prefill pulls a short run towards 1, so a bound below 1 can be beaten.
-    Chains only: trees and mirror decoding follow other formulas.
+    Chains only: trees and other decoding modes follow other formulas.
     """
 
     expected_tokens: float

@@ -11,7 +11,14 @@ import draftsmith.eval.harness as harness
 from draftsmith.cli import main
 from draftsmith.decode.sampling import Sampling
 from draftsmith.drafts.ngram import NgramDrafter
-from draftsmith.eval.harness import MethodResult, compare_outputs, evaluate, run_prompt
+from draftsmith.eval.harness import (
+    GenerationSettings,
+    Method,
+    MethodResult,
+    compare_outputs,
+    evaluate,
+    run_prompt,
+)
 from draftsmith.eval.prompts import EvalPrompt, answer_text
 
 RECORDS = [
@@ -212,9 +219,11 @@ def test_second_turn_continues_with_own_answer(target, monkeypatch):
     real = harness.generate
     monkeypatch.setattr(harness, "generate", spy)
     prompt = EvalPrompt("q", "chat", ("first question", "second question"))
-    outputs, stats = run_prompt(
-        target, NgramDrafter(), prompt, k=3, max_new_tokens=8, sampling=Sampling(), seed=0
+    method, run = (
+        Method("ngram", NgramDrafter(), k=3),
+        GenerationSettings(max_new_tokens=8, sampling=Sampling()),
     )
+    outputs, stats = run_prompt(target, method, prompt, run)
     assert len(outputs) == 2 and stats.timing.generations == 2
     assert seen[1].startswith(seen[0])  # the whole first exchange, then the new turn
     answer = answer_text(target.tokenizer, outputs[0])
@@ -261,3 +270,4 @@ def test_an_earlier_report_is_replaced_only_with_overwrite(model_dir, prompts_fi
     assert main([*argv, "--overwrite"]) == 0
     assert "drafts" in json.loads((out / "report.json").read_text())
     assert (out / "notes.txt").read_text() == "kept\n"  # other files in the folder are left alone
+

@@ -3,6 +3,7 @@ hypothesis grid is what chain drafting would have drafted at each branch."""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 
@@ -308,8 +309,9 @@ def test_a_mirror_draft_trains_in_the_loop_and_eval_reports_it(tmp_path, capsys)
 
 def test_the_two_device_model_by_hand():
     from draftsmith.decode.mirror import MirrorResult
-    from draftsmith.eval import cli, report
-    from draftsmith.eval.stats import RunStats
+    from draftsmith.eval.cli import add_parser
+    from draftsmith.eval.harness import run_stats
+    from draftsmith.eval.mirror_stats import DEFAULT_CHANNEL_LATENCY_MS
 
     result = MirrorResult(tokens=[1, 2, 3], prefill_seconds=1.0)
     result.parts = [
@@ -321,8 +323,25 @@ def test_the_two_device_model_by_hand():
     )
     assert math.isclose(result.two_device_seconds(0.01), result.overlapped_seconds() + 0.02)
     result.hits, result.reuse_chances = 1, 1
-    stats = RunStats.from_result(result) + RunStats.from_result(result)
-    assert stats.mirror.steps == 4 and stats.mirror.hit_rate == 1.0
-    assert math.isclose(stats.mirror.part_seconds[4], 2 * 3.25)
-    assert math.isclose(stats.mirror.two_device_seconds(0.01), 2 * result.two_device_seconds(0.01))
-    assert cli.DEFAULT_CHANNEL_LATENCY_MS == report.DEFAULT_CHANNEL_LATENCY_MS
+    stats = run_stats(result) + run_stats(result)  # the mode's own statistics sum with the rest
+    assert stats.timing.generations == 2 and stats.mode.key == "mirror"
+    assert stats.mode.steps == 4 and stats.mode.hit_rate == 1.0
+    assert math.isclose(stats.mode.part_seconds[4], 2 * 3.25)
+    assert math.isclose(stats.mode.two_device_seconds(0.01), 2 * result.two_device_seconds(0.01))
+    parser = add_parser(argparse.ArgumentParser().add_subparsers())
+    assert parser.get_default("channel_latency_ms") == DEFAULT_CHANNEL_LATENCY_MS
+
+
+def test_mirror_decoding_is_a_capability_the_drafter_offers():
+    """The Drafter base knows no mirror member: a drafter offers mirror decoding by being a GridDrafter."""
+    from draftsmith.decode.drafter import Drafter
+    from draftsmith.decode.mirror import GridDrafter
+    from draftsmith.drafts.ngram import NgramDrafter
+
+    assert not hasattr(Drafter, "mirror") and not hasattr(Drafter, "rollout")
+    target = tiny_target("llama", layers=LAYERS)
+    drafter = mirror_drafter(target, 2)
+    assert isinstance(drafter, GridDrafter)
+    assert not isinstance(EagleDrafter(drafter.head), GridDrafter) and not isinstance(
+        NgramDrafter(), GridDrafter
+    )

@@ -269,8 +269,11 @@ def test_tree_decoding_reports_no_bound_and_says_why():
 
 
 def test_mirror_decoding_reports_no_bound():
-    class MirrorLike(NgramDrafter):
+    class MirrorLike(NgramDrafter):  # offers mirror decoding: a GridDrafter
         mirror = object()
+
+        def rollout(self, *args):
+            raise AssertionError("not run here")
 
     assert Method("m", MirrorLike()).decoding == "mirror"
     assert Method("t", NgramDrafter(), tree=TreeSpec(2, 2, 4)).decoding == "tree"
