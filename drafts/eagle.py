@@ -508,7 +508,8 @@ def load_head(target, path: str, what: str = "an EAGLE draft") -> EagleHead:
 
 
 def _build(target, path: str) -> Drafter:
-    return EagleDrafter(load_head(target, path), name=f"eagle:{Path(path).name}")
+    head = load_head(target, path)
+    return EagleDrafter(head, name=f"{getattr(head.config, DRAFT_KIND_KEY)}:{Path(path).name}")
 
 
 register(DraftKind(EAGLE3, "EAGLE-3 head", _build, "eagle"))  # every engine with an EAGLE-3 layout

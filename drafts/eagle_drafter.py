@@ -15,26 +15,26 @@ drops all draft pairs anyway, committing a tree path is committing its length.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.target import rollback_cache
 from draftsmith.decode.tree import DraftTree, TreeBuilder, TreeSpec
-
-if TYPE_CHECKING:
-    from draftsmith.drafts.eagle import EagleHead
+from draftsmith.drafts.base import DRAFT_KIND_KEY
 
 
 class EagleDrafter(Drafter):
     """Drafts k tokens chain-wise from an EAGLE head; proposals are over the target's vocabulary."""
 
-    def __init__(self, head: EagleHead, name: str = "eagle"):
+    def __init__(self, head: nn.Module, name: str | None = None):
+        """``head``: an ``EagleHead`` (``drafts/eagle.py``, which builds drafters from this module, so it is
+        not imported here). ``name``: how reports show the drafter; by default the head's kind (``eagle1``,
+        ``eagle3``, ``mirror``), so heads of different kinds never share a name."""
         self.head = head
-        self.name = name
+        self.name = name or getattr(head.config, DRAFT_KIND_KEY)
         self.capture_layers = tuple(head.config.capture_layer_ids)
         self.cache: DynamicCache | None = None
         self.pending: torch.Tensor | None = (

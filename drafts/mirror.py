@@ -49,9 +49,9 @@ def mirror_settings(config) -> MirrorSettings:
 
 
 class MirrorDrafter(EagleDrafter):
-    """EAGLE chain drafting plus the hypothesis grid of mirror decoding."""
+    """EAGLE chain drafting plus the hypothesis grid of mirror decoding (it is a ``GridDrafter``)."""
 
-    def __init__(self, head: EagleHead, name: str = "mirror"):
+    def __init__(self, head: EagleHead, name: str | None = None):
         super().__init__(head, name)
         self.mirror = mirror_settings(head.config)
 

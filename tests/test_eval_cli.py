@@ -271,3 +271,15 @@ def test_an_earlier_report_is_replaced_only_with_overwrite(model_dir, prompts_fi
     assert "drafts" in json.loads((out / "report.json").read_text())
     assert (out / "notes.txt").read_text() == "kept\n"  # other files in the folder are left alone
 
+
+def test_eagle1_and_eagle3_heads_show_their_kind_in_reports(target, tmp_path):
+    from draftsmith.drafts import build_drafter
+    from draftsmith.drafts.eagle import EagleConfig, EagleHead
+
+    names = []
+    for preset in ("eagle1", "eagle3"):
+        EagleHead(EagleConfig.for_target(target, preset, draft_vocab_size=120)).save_pretrained(
+            tmp_path / preset
+        )
+        names.append(build_drafter(str(tmp_path / preset), target).name)
+    assert names == ["eagle1:eagle1", "eagle3:eagle3"]
