@@ -34,10 +34,7 @@ KNOWN_UPWARD_STRINGS = {
 }
 """(module, the higher module it names in a string) found when the string check landed; being removed
 (objectives found through the train-side registry). Empty it, never grow it."""
-KNOWN_CIRCLES = {
-    frozenset({"draftsmith.decode.drafter", "draftsmith.decode.mirror", "draftsmith.decode.speculative"}),
-    frozenset({"draftsmith.drafts.eagle", "draftsmith.drafts.eagle_drafter"}),
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 """Circles inside a folder found when the circle check landed; being removed. Empty it, never grow it."""
 
 
