@@ -8,7 +8,7 @@ import pytest
 
 from draftsmith.drafts.base import draft_kind, kind_names
 from draftsmith.train import registry
-from draftsmith.train.registry import OBJECTIVE_MODULES, check_objective_options, objective_kinds
+from draftsmith.train.registry import OBJECTIVE_MODULES, check_kind, check_objective_options, objective_kinds
 
 
 @pytest.mark.parametrize("kind", sorted(OBJECTIVE_MODULES))
@@ -22,15 +22,15 @@ def test_every_kind_either_trains_or_says_it_needs_no_training():
     untrainable = [k for k in kind_names() if k not in OBJECTIVE_MODULES]
     assert untrainable and set(objective_kinds()) >= set(OBJECTIVE_MODULES)
     for kind in untrainable:
-        with pytest.raises(
-            ValueError, match=rf"draft.kind '{kind}' is a .*needs no training. Trainable kinds: "
-        ):
-            check_objective_options(kind, {})
+        for check in (check_kind, lambda kind: check_objective_options(kind, {})):
+            with pytest.raises(ValueError, match=rf"draft.kind '{kind}' is a .*needs no training. Trainable"):
+                check(kind)
 
 
 def test_an_unknown_kind_names_the_closest_trainable_one():
-    with pytest.raises(ValueError, match=r"unknown key 'eagle4' in draft.kind.*Did you mean 'eagle3'"):
-        check_objective_options("eagle4", {})
+    for check in (check_kind, lambda kind: check_objective_options(kind, {})):
+        with pytest.raises(ValueError, match=r"unknown key 'eagle4' in draft.kind.*Did you mean 'eagle3'"):
+            check("eagle4")
 
 
 def test_a_module_that_registers_nothing_is_named(monkeypatch):

@@ -65,16 +65,23 @@ def register_objective(
     return wrap
 
 
-def _provide(kind: str) -> None:
-    if kind in _OBJECTIVES:
+def check_kind(kind: str) -> None:
+    """Refuse a ``draft.kind`` that does not train, importing nothing: an unknown one names the closest
+    trainable kind, a training-free one (``ngram``, ...) says it needs no training."""
+    if kind in _OBJECTIVES or kind in OBJECTIVE_MODULES:
         return
     if kind not in kind_names():
         raise unknown_key(kind, objective_kinds(), "draft.kind (no such draft kind)")
-    if kind not in OBJECTIVE_MODULES:
-        raise ValueError(
-            f"draft.kind {kind!r} is a {draft_kind(kind).title}: it needs no training. Trainable kinds: "
-            f"{', '.join(objective_kinds())}"
-        )
+    raise ValueError(
+        f"draft.kind {kind!r} is a {draft_kind(kind).title}: it needs no training. Trainable kinds: "
+        f"{', '.join(objective_kinds())}"
+    )
+
+
+def _provide(kind: str) -> None:
+    if kind in _OBJECTIVES:
+        return
+    check_kind(kind)
     importlib.import_module(OBJECTIVE_MODULES[kind])
     if kind not in _OBJECTIVES:
         raise RuntimeError(f"{OBJECTIVE_MODULES[kind]} registers no objective for draft.kind {kind!r}")
