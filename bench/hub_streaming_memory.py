@@ -1,7 +1,7 @@
 """Peak memory of reading a Hub-layout dataset through ``hf:`` sources: ``streaming=true&take=N`` against
 the whole split, on local folders of parquet shards of growing size (same rows, more shards).
 
-Each reading runs in its own process (``draftsmith.train.data.iter_conversations``, the path training
+Each reading runs in its own process (``draftsmith.train.corpus.conversations.iter_conversations``, the path training
 and ``draftsmith data`` use) and reports its peak resident memory; the datasets cache is a fresh
 temporary folder, so the non-streaming rows include converting the shards to Arrow once.
 
