@@ -360,7 +360,7 @@ def import_head(target, path: str | Path) -> EagleHead:
 
 
 def _build(target, path: str) -> Drafter:
-    return EagleDrafter(import_head(target, path), name=f"eagle:{Path(path).name}")
+    return EagleDrafter(import_head(target, path), name=f"{PEER_EAGLE3}:{Path(path).name}")
 
 
 register(DraftKind(PEER_EAGLE3, "EAGLE-3 head from another pipeline", _build, "eagle", target_key="target",
