@@ -2,11 +2,12 @@
 
 A ``DraftKind`` owns what differs between kinds: its one name (the ``--draft`` spec prefix of a
 training-free kind, ``draftsmith_kind`` in a saved ``config.json``, ``draft.kind`` in a training recipe,
-the model card's tag), what the card calls it, how it loads, the module of its training objective,
-the engines it exports to (records of ``drafts/engines.py``) and why it refuses the others. A kind's
-file in ``drafts/`` registers its record; the registry imports that file the first time the kind is
-asked for (``KIND_MODULES``), so reading a config or a spec never imports torch. Adding a kind = one file here (model, drafter,
-record) and one objective in ``train/objectives/``.
+the model card's tag), what the card calls it, how it loads, the engines it exports to (records of
+``drafts/engines.py``) and why it refuses the others. A kind's file in ``drafts/`` registers its record
+and spells its name once (a constant there); the registry imports that file the first time the kind is
+asked for (``KIND_MODULES``), so reading a config or a spec never imports torch. Adding a kind = one
+file here (model, drafter, record) and, if it trains, one objective in ``train/objectives/`` named in
+``train/registry.py``'s ``OBJECTIVE_MODULES`` (train/ knows drafts/, never the other way round).
 
 Every trained draft records the target it was trained for (``Target.record()``); ``check_target`` is
 the one check, shared by every kind, that a draft meets that target.
