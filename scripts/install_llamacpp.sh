@@ -33,7 +33,9 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
   dl=$(mktemp -d "$ROOT/.download-XXXXXX")
   trap 'rm -rf "$dl"' EXIT
   echo "install_llamacpp: fetching the llama-cpp-python==$VERSION sdist (source only, ~75 MB)" >&2
-  "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+  # --no-binary names only this package: its build backend (scikit-build-core, for pip's metadata step)
+  # may come as a wheel, which saves building it and its own backends from source first
+  "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
     "llama-cpp-python==$VERSION" -d "$dl"
   tar -xzf "$dl"/llama_cpp_python-"$VERSION".tar.gz -C "$dl"
   rm -rf "$SRC"
