@@ -85,18 +85,28 @@ class DraftKind:
             raise ValueError(f"--to {engine.name} cannot take a {self.title} ({self.name}): {why}")
 
 
+EAGLE1 = "eagle1"
+EAGLE3 = "eagle3"
+MIRROR = "mirror"
+DISTILL = "distill"
+MEDUSA = "medusa"
+NGRAM = "ngram"
+LAYERS = "layers"
+"""The kinds' names, spelled here once (beside ``PEER_EAGLE3``) so that the registry, recipes, train's
+objective map and the app name a kind without importing its module."""
+
 KIND_MODULES = {
-    "eagle1": "draftsmith.drafts.eagle",
-    "eagle3": "draftsmith.drafts.eagle",
-    "distill": "draftsmith.drafts.distill",
-    "medusa": "draftsmith.drafts.medusa",
-    "ngram": "draftsmith.drafts.ngram",
-    "layers": "draftsmith.drafts.layer_subset",
-    "mirror": "draftsmith.drafts.mirror",
+    EAGLE1: "draftsmith.drafts.eagle",
+    EAGLE3: "draftsmith.drafts.eagle",
+    DISTILL: "draftsmith.drafts.distill",
+    MEDUSA: "draftsmith.drafts.medusa",
+    NGRAM: "draftsmith.drafts.ngram",
+    LAYERS: "draftsmith.drafts.layer_subset",
+    MIRROR: "draftsmith.drafts.mirror",
     PEER_EAGLE3: "draftsmith.drafts.eagle_import",
 }
 """Kind name -> the module that registers its record (imported on first use)."""
-LEGACY_KINDS = {"eagle": None, "small_lm": "distill", "causal_lm": "distill"}
+LEGACY_KINDS = {"eagle": None, "small_lm": DISTILL, "causal_lm": DISTILL}
 """Names earlier versions wrote; ``eagle`` is resolved by the head's ``preset``."""
 _KINDS: dict[str, DraftKind] = {}
 
@@ -134,9 +144,9 @@ def is_foreign_eagle(config: dict) -> bool:
 def kind_of_config(config: dict) -> DraftKind:
     """The kind a saved draft's ``config.json`` (as a dict) says it is; a plain causal LM is ``distill``, an
     EAGLE head from another pipeline ``peer_eagle3``."""
-    name = config.get(DRAFT_KIND_KEY) or (PEER_EAGLE3 if is_foreign_eagle(config) else "distill")
+    name = config.get(DRAFT_KIND_KEY) or (PEER_EAGLE3 if is_foreign_eagle(config) else DISTILL)
     if name in LEGACY_KINDS:
-        name = LEGACY_KINDS[name] or config.get("preset", "eagle3")
+        name = LEGACY_KINDS[name] or config.get("preset", EAGLE3)
     return draft_kind(name)
 
 

@@ -30,12 +30,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from draftsmith import files
 from draftsmith.decode.features import decoder_layers
 from draftsmith.decode.target import Target
-from draftsmith.drafts.base import DRAFT_KIND_KEY, DraftKind, register
+from draftsmith.drafts.base import DISTILL, DRAFT_KIND_KEY, DraftKind, register
 from draftsmith.drafts.model_drafter import ModelDrafter
 from draftsmith.loading import load_causal_lm, tokenizer_fingerprint
 
-DISTILL = "distill"
-"""The kind name of a distilled small draft."""
 TARGET_KEY = "draftsmith_target"
 
 
@@ -234,7 +232,7 @@ def _write(model: nn.Module, tokenizer, target: Target, out: Path, merge: bool) 
             model.save_pretrained(out)
     else:
         plain = model
-    plain.config.update({DRAFT_KIND_KEY: "distill", TARGET_KEY: target.record()})
+    plain.config.update({DRAFT_KIND_KEY: DISTILL, TARGET_KEY: target.record()})
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -259,4 +257,6 @@ def _build(target, spec: str) -> ModelDrafter:
     return ModelDrafter(model, name=name)
 
 
-register(DraftKind(DISTILL, "distilled small draft", _build, "causal_lm", target_key=TARGET_KEY))  # every engine
+register(
+    DraftKind(DISTILL, "distilled small draft", _build, "causal_lm", target_key=TARGET_KEY)
+)  # every engine

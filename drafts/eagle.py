@@ -29,16 +29,12 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.features import LAYER_ID_CONVENTION, resolve_layer_ids
-from draftsmith.drafts.base import DRAFT_KIND_KEY, DraftKind, register
+from draftsmith.drafts.base import DRAFT_KIND_KEY, EAGLE1, EAGLE3, MIRROR, DraftKind, register
 from draftsmith.drafts.base import check_target as check_draft_target
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 from draftsmith.drafts.engines import HF
 
-EAGLE1 = "eagle1"
-"""The kind name of an EAGLE-1 head."""
-EAGLE3 = "eagle3"
-"""The kind name of an EAGLE-3 head."""
-PRESETS = ("eagle1", "eagle3")
+PRESETS = (EAGLE1, EAGLE3)
 
 
 def default_eagle3_layers(num_layers: int) -> list[int]:
@@ -55,7 +51,7 @@ class EagleConfig(PretrainedConfig):
 
     def __init__(
         self,
-        preset: str = "eagle3",
+        preset: str = EAGLE3,
         hidden_size: int = 64,
         intermediate_size: int = 128,
         num_attention_heads: int = 4,
@@ -95,7 +91,7 @@ class EagleConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         self.vocab_size = vocab_size
         self.draft_vocab_size = (
-            min(draft_vocab_size or vocab_size, vocab_size) if preset == "eagle3" else vocab_size
+            min(draft_vocab_size or vocab_size, vocab_size) if preset == EAGLE3 else vocab_size
         )
         self.num_decoder_layers = num_decoder_layers
         self.capture_layer_ids = list(capture_layer_ids or [])
@@ -113,14 +109,14 @@ class EagleConfig(PretrainedConfig):
         self.norm_output = norm_output  # the hidden state fed back is the final norm's output
         self.feature_input_norm = feature_input_norm  # the feature passes input_layernorm before hidden_norm
         # the kind's name (earlier versions wrote "eagle"); a mirror draft is an EAGLE-3 head underneath
-        setattr(self, DRAFT_KIND_KEY, "mirror" if self.mirror else preset)
+        setattr(self, DRAFT_KIND_KEY, MIRROR if self.mirror else preset)
         super().__init__(**kwargs)
 
     @classmethod
     def for_target(
         cls,
         target,
-        preset: str = "eagle3",
+        preset: str = EAGLE3,
         num_decoder_layers: int = 1,
         capture_layer_ids: list[int] | None = None,
         draft_vocab_size: int = 32000,
@@ -130,9 +126,9 @@ class EagleConfig(PretrainedConfig):
         tcfg = target.config
         n_layers = tcfg.num_hidden_layers
         if capture_layer_ids is None:
-            capture_layer_ids = [n_layers - 1] if preset == "eagle1" else default_eagle3_layers(n_layers)
+            capture_layer_ids = [n_layers - 1] if preset == EAGLE1 else default_eagle3_layers(n_layers)
         ids = resolve_layer_ids(target.model, list(capture_layer_ids))
-        if preset == "eagle1" and len(ids) != 1:
+        if preset == EAGLE1 and len(ids) != 1:
             raise ValueError(f"EAGLE-1 reads exactly one target layer (the last, {n_layers - 1}); got {ids}")
         if len(set(ids)) != len(ids):
             raise ValueError(
@@ -156,9 +152,9 @@ class EagleConfig(PretrainedConfig):
             num_decoder_layers=num_decoder_layers,
             capture_layer_ids=ids,
             ttt_steps=ttt_steps,
-            lm_head_is_embedding=preset == "eagle1"
+            lm_head_is_embedding=preset == EAGLE1
             and model.get_output_embeddings().weight is model.get_input_embeddings().weight,
-            logit_softcap=getattr(tcfg, "final_logit_softcapping", None) if preset == "eagle1" else None,
+            logit_softcap=getattr(tcfg, "final_logit_softcapping", None) if preset == EAGLE1 else None,
             target=target.record(),
         )
 
@@ -297,7 +293,7 @@ class EagleHead(PreTrainedModel):
         cfg = config.decoder_config()
         H, V = config.hidden_size, config.vocab_size
         self.embed_tokens = nn.Embedding(V, H)
-        if config.preset == "eagle3":
+        if config.preset == EAGLE3:
             if config.norm_before_fc:
                 self.fuse_norm = LlamaRMSNorm(len(config.capture_layer_ids) * H, eps=config.rms_norm_eps)
             self.fuse_features = nn.Linear(len(config.capture_layer_ids) * H, H, bias=False)
@@ -325,7 +321,7 @@ class EagleHead(PreTrainedModel):
         the final norm and LM head. ``from_pretrained`` loads fresh parameters, which are trainable
         again, so a head loaded to train further calls this once more."""
         self.embed_tokens.requires_grad_(False)
-        if self.config.preset == "eagle1":
+        if self.config.preset == EAGLE1:
             self.norm.requires_grad_(False)
             if not self.config.lm_head_is_embedding:
                 self.lm_head.requires_grad_(False)
@@ -344,7 +340,7 @@ class EagleHead(PreTrainedModel):
         """
         self.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
         copied_norm = copy_final_norm(model, self.norm)
-        if self.config.preset == "eagle1":
+        if self.config.preset == EAGLE1:
             if not copied_norm:
                 raise ValueError(
                     f"EAGLE-1 reuses the target's final norm, but {type(model).__name__}'s is not an RMSNorm "
@@ -375,7 +371,7 @@ class EagleHead(PreTrainedModel):
         (``token_counts`` [V]: frequencies over target ids, e.g. of the target's own answers; ties keep
         the lower id). The config's ``draft_vocab_size`` follows. In place; returns the head.
         """
-        if self.config.preset != "eagle3" or self.config.lm_head_is_embedding:
+        if self.config.preset != EAGLE3 or self.config.lm_head_is_embedding:
             raise ValueError(
                 "shrink_vocab needs an EAGLE-3 head with its own LM head over a draft vocabulary"
             )
@@ -413,7 +409,7 @@ class EagleHead(PreTrainedModel):
             )
         dtype = self.embed_tokens.weight.dtype
         x = torch.cat([features[i].to(dtype) for i in self.config.capture_layer_ids], dim=-1)
-        if self.config.preset != "eagle3":
+        if self.config.preset != EAGLE3:
             return x
         return self.fuse_features(self.fuse_norm(x) if self.config.norm_before_fc else x)
 
@@ -432,7 +428,7 @@ class EagleHead(PreTrainedModel):
         emb = self.embed_tokens(input_ids)
         pos = self.rotary_emb(feature, position_ids)
         layers = list(self.layers)
-        if self.config.preset == "eagle3":
+        if self.config.preset == EAGLE3:
             h = layers.pop(0)(emb, feature, pos, attention_mask, cache)
         else:
             h = self.input_proj(torch.cat([emb, feature.to(emb.dtype)], dim=-1))

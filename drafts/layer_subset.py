@@ -12,7 +12,7 @@ from torch import nn
 
 from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.features import decoder_layers
-from draftsmith.drafts.base import DraftKind, register
+from draftsmith.drafts.base import LAYERS, DraftKind, register
 from draftsmith.drafts.model_drafter import ModelDrafter
 
 
@@ -56,5 +56,5 @@ def _build(target, arg: str) -> Drafter:
     return ModelDrafter(view, name=f"layers:{n}")
 
 
-register(DraftKind("layers", "layer-subset drafter", _build, "training-free",
+register(DraftKind(LAYERS, "layer-subset drafter", _build, "training-free",
                    refusal="it is the target's own first layers: nothing to export"))  # fmt: skip

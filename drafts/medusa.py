@@ -30,12 +30,9 @@ from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.features import LAYER_ID_CONVENTION
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.tree import DraftTree, TreeBuilder, TreeSpec
-from draftsmith.drafts.base import DRAFT_KIND_KEY, DraftKind, check_target, register
+from draftsmith.drafts.base import DRAFT_KIND_KEY, MEDUSA, DraftKind, check_target, register
 from draftsmith.drafts.eagle import copy_final_norm
 from draftsmith.drafts.engines import HF
-
-MEDUSA = "medusa"
-"""The kind name of a Medusa draft."""
 
 
 class MedusaConfig(PretrainedConfig):
@@ -72,7 +69,7 @@ class MedusaConfig(PretrainedConfig):
         self.layer_id_convention = layer_id_convention
         self.target = dict(target or {})
         self.initializer_range = initializer_range
-        setattr(self, DRAFT_KIND_KEY, "medusa")
+        setattr(self, DRAFT_KIND_KEY, MEDUSA)
         super().__init__(**kwargs)
 
     @classmethod
@@ -173,7 +170,7 @@ class MedusaHeads(PreTrainedModel):
 class MedusaDrafter(Drafter):
     """Proposes up to ``num_heads`` tokens at once from the target's feature at the last accepted position."""
 
-    def __init__(self, heads: MedusaHeads, name: str = "medusa"):
+    def __init__(self, heads: MedusaHeads, name: str = MEDUSA):
         self.heads = heads
         self.name = name
         self.capture_layers = tuple(heads.config.capture_layer_ids)

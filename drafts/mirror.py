@@ -22,13 +22,10 @@ from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.mirror import Grid, MirrorSettings
 from draftsmith.decode.sampling import Sampling, to_probs
 from draftsmith.decode.target import rollback_cache
-from draftsmith.drafts.base import DraftKind, register
+from draftsmith.drafts.base import MIRROR, DraftKind, register
 from draftsmith.drafts.eagle import EagleHead, load_head
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 from draftsmith.drafts.engines import HF
-
-MIRROR = "mirror"
-"""The kind name of a mirror draft."""
 
 
 def mirror_settings(config) -> MirrorSettings:

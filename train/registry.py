@@ -13,11 +13,7 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from draftsmith.drafts.base import draft_kind, kind_names
-from draftsmith.drafts.distill import DISTILL
-from draftsmith.drafts.eagle import EAGLE1, EAGLE3
-from draftsmith.drafts.medusa import MEDUSA
-from draftsmith.drafts.mirror import MIRROR
+from draftsmith.drafts.base import DISTILL, EAGLE1, EAGLE3, MEDUSA, MIRROR, draft_kind, kind_names
 
 if TYPE_CHECKING:
     import torch

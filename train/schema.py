@@ -18,7 +18,7 @@ from pydantic import BeforeValidator, ConfigDict, PositiveFloat, PositiveInt, Ty
 from pydantic.dataclasses import dataclass
 from pydantic.fields import FieldInfo
 
-from draftsmith.drafts.eagle import EAGLE3
+from draftsmith.drafts.base import EAGLE3
 from draftsmith.train.registry import objective_kinds, unknown_key
 
 SECTION = ConfigDict(extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)

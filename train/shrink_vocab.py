@@ -61,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from draftsmith import files
-    from draftsmith.drafts.base import kind_of_checkpoint
-    from draftsmith.drafts.eagle import EAGLE3, EagleHead
+    from draftsmith.drafts.base import EAGLE3, kind_of_checkpoint
+    from draftsmith.drafts.eagle import EagleHead
     from draftsmith.loading import resolve_model_path, tokenizer_fingerprint
     from draftsmith.train.corpus.tokens import build_dataset, count_tokens
 

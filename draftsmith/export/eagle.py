@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from draftsmith import files
 from draftsmith.decode.features import LAYER_ID_CONVENTION
 from draftsmith.draft_checkpoint import DraftCheckpoint
-from draftsmith.drafts.eagle import EAGLE3
+from draftsmith.drafts.base import EAGLE3
 from draftsmith.drafts.engines import GGUF, SGLANG, SPECULATORS, VLLM, engine_named
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from draftsmith import files
-from draftsmith.drafts.eagle import EAGLE3
+from draftsmith.drafts.base import EAGLE3
 from draftsmith.drafts.engines import HF, SGLANG, SPECULATORS, VLLM, Engine
 from draftsmith.export.engines import engine_of
 

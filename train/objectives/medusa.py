@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.drafts.medusa import MEDUSA, MedusaConfig, MedusaHeads
+from draftsmith.drafts.base import MEDUSA
+from draftsmith.drafts.medusa import MedusaConfig, MedusaHeads
 from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.objectives.common import (
