@@ -22,6 +22,7 @@ import json
 import os
 from pathlib import Path
 
+from draftsmith.drafts.base import EAGLE3, NGRAM
 from draftsmith.sources import BUILTIN_TRAIN
 
 PROMPTS = "builtin:dev_prompts"
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
              "--max-new-tokens", str(args.max_new_tokens), "--batch-size", "16"],
         )  # fmt: skip
         data_override.append(f"--data.regenerated={regenerated}")
-    run_dir = out / "eagle3"
+    run_dir = out / EAGLE3
     recipe = resolve_recipe("quickstart")
     overrides = [*(SMOKE_TRAINING if args.smoke else []), *args.overrides]
     if not training_finished(run_dir, recipe, overrides):
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     eval_dir = run_dir / "eval"  # inside the run: `draftsmith publish RUN` finds the report there
     step(
         "2/2 evaluate on held-out dev prompts: the head and n-gram lookup vs the target alone",
-        ["eval", *target, "--draft", str(run_dir / "draft"), "--draft", "ngram",
+        ["eval", *target, "--draft", str(run_dir / "draft"), "--draft", NGRAM,
          "--prompts", args.prompts, "--order", "round-robin", *eval_size, "--out", str(eval_dir),
          "--overwrite"],
     )  # fmt: skip
