@@ -39,6 +39,8 @@ from tqdm.auto import tqdm
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
+from draftsmith.drafts.distill import DISTILL
+from draftsmith.drafts.eagle import EAGLE1, EAGLE3
 from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.train.config import load_config
@@ -88,11 +90,11 @@ def recipe_batches(heldout, target, objective, batch_size: int, pad_id: int):
 
 def objective_for(kind: str, options: dict, path: str, target):
     """The objective of a saved draft of ``kind``, built to load it (``build_draft`` returns it)."""
-    if kind in ("eagle1", "eagle3"):
+    if kind in (EAGLE1, EAGLE3):
         return build_objective(kind, target, {"init_from": path})
-    if kind == "distill":
+    if kind == DISTILL:
         return build_objective(kind, target, {**options, "init": "pretrained", "path": path})
-    raise SystemExit(f"draft kind {kind!r}: this bench measures eagle1, eagle3 and distill drafts")
+    raise SystemExit(f"draft kind {kind!r}: this bench measures {EAGLE1}, {EAGLE3} and {DISTILL} drafts")
 
 
 def single_turn_conversations(cache: FeatureCache, count: int, min_answer: int = 32):
@@ -127,7 +129,6 @@ def decode_check(objective, head, drafter, target, cache, k: int, count: int, pa
     from draftsmith.decode.speculative import generate
     from draftsmith.train.objective import decoding_walk_steps
 
-    compared = equal = 0
     simulated, decoded = [], []
     for _, prompt, answer, part in tqdm(
         single_turn_conversations(cache, count), desc="decode", unit="conv", leave=False
@@ -144,15 +145,14 @@ def decode_check(objective, head, drafter, target, cache, k: int, count: int, pa
             covered += dec + 1
             if asked != k or covered > same:
                 break
-            compared += 1
-            equal += sim == dec
             simulated.append(sim)
             decoded.append(dec)
+    full = [k] * len(simulated)  # only steps that drafted a full k-chain are compared
     return {
-        "steps_compared": compared,
-        "steps_equal": equal,
-        "tau_simulated": 1 + sum(simulated) / max(1, len(simulated)),
-        "tau_decoded": 1 + sum(decoded) / max(1, len(decoded)),
+        "steps_compared": len(simulated),
+        "steps_equal": sum(a == b for a, b in zip(simulated, decoded)),
+        "tau_simulated": AcceptanceStats.from_lists(simulated, full).tau,
+        "tau_decoded": AcceptanceStats.from_lists(decoded, full).tau,
     }
 
 
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for path in args.draft:
         if not args.recipe:
-            kind = json.loads((Path(path) / "config.json").read_text()).get("preset", "eagle3")
+            kind = json.loads((Path(path) / "config.json").read_text()).get("preset", EAGLE3)
             options = {}
         objective = objective_for(kind, options, path, target)
         draft = objective.build_draft().eval()

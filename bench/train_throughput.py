@@ -6,7 +6,7 @@ the wall time of everything else (loading, the offline feature cache, validation
 is a warm-up, left out of the timing; its FLOPs are counted (``torch.utils.flop_counter``: every
 matmul and attention of the draft's forward and backward and, online, the frozen target's forward),
 which gives model FLOPs per token and, on a GPU, the model FLOP utilisation (MFU) against the
-device's peak dense bf16 FLOP/s. Prints a table, writes JSON.
+device's peak dense bf16 FLOP/s (``draftsmith.eval.training_speed``). Prints a table, writes JSON.
 
     python bench/train_throughput.py --steps 20 --out bench/results/train_throughput.json
     python bench/train_throughput.py --precision bf16-mixed --target-dtype bfloat16   # on a GPU
@@ -18,15 +18,11 @@ import argparse
 import tempfile
 import time
 
-import lightning as L
-import torch
-from torch.utils.flop_counter import FlopCounterMode
-
 from draftsmith.decode.target import load_target
 from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.training_speed import StepTimer, peak_flops
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
-from draftsmith.train.objective import Batch
 
 # name -> (recipe, overrides); every run also gets the same data, length, batch and step count
 SETTINGS = {
@@ -34,60 +30,6 @@ SETTINGS = {
     "eagle3 offline": ("configs/quickstart.yaml", ["--mode=offline"]),
     "distill online (8 layers, JSD)": ("configs/smollm2_distill.yaml", ["--mode=online"]),
 }
-
-
-# peak dense bf16 tensor FLOP/s per device, from the vendors' datasheets (no sparsity)
-PEAK_BF16_FLOPS = {
-    "H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 756e12,
-    "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12, "MI300X": 1307e12,
-}  # fmt: skip
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """The device's peak dense bf16 FLOP/s (None on the CPU or for a GPU not in the table)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-
-
-class StepTimer(L.Callback):
-    """Wall time and real tokens of every training step after the first; FLOPs of the first."""
-
-    def __init__(self) -> None:
-        self.seconds, self.tokens, self._start = 0.0, 0, 0.0
-        self.device = torch.device("cpu")
-        """Where the draft trained (offline, the target has gone back to the CPU by then)."""
-        self.flops_per_token: float | None = None
-        self._counter: FlopCounterMode | None = None
-        self._first_positions = 0
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        batch = batch if isinstance(batch, Batch) else batch[0]
-        self.device = module.device
-        if self.flops_per_token is None and self._counter is None:  # warm-up step: count, do not time
-            self._first_positions = batch.attention_mask.numel()
-            self._counter = FlopCounterMode(display=False)
-            self._counter.__enter__()
-            return
-        self.tokens += int(batch.attention_mask.sum())
-        self._sync(module)
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if self._counter is not None:
-            self._counter.__exit__(None, None, None)
-            # per position of the padded batch: padding is wasted work, so MFU counts real tokens only
-            self.flops_per_token = self._counter.get_total_flops() / max(1, self._first_positions)
-            self._counter = None
-            return
-        self._sync(module)
-        self.seconds += time.perf_counter() - self._start
-
-    @staticmethod
-    def _sync(module) -> None:
-        if module.device.type == "cuda":
-            torch.cuda.synchronize(module.device)
 
 
 def main() -> None:
@@ -140,7 +82,7 @@ def main() -> None:
             wall = time.perf_counter() - start
         per_device = timer.tokens / timer.seconds  # one process, one device
         peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(timer.device)
-        mfu = timer.flops_per_token * per_device / peak if peak and timer.flops_per_token else None
+        mfu = timer.mfu(peak)
         rows[name] = {
             "steps": args.steps,
             "timed_steps": args.steps - 1,
