@@ -18,6 +18,7 @@ import time
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
+from draftsmith.drafts.base import NGRAM
 from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.eval.timed import batched_row, decode_batched, decode_each
@@ -37,7 +38,7 @@ def main() -> None:
     args = p.parse_args()
 
     target = load_target(args.target, device="auto", dtype="float32")
-    specs = args.draft or ["ngram"]
+    specs = args.draft or [NGRAM]
     drafters = {spec: build_drafter(spec, target) for spec in specs}
     if args.cpu_kernels == "packed":
         pack_for_decoding(target.model, *drafters.values())

@@ -20,6 +20,7 @@ import time
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
+from draftsmith.drafts.base import LAYERS, NGRAM
 from draftsmith.eval.harness import Method, MethodResult, evaluate
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.eval.report import hardware_description, write_json
@@ -77,7 +78,7 @@ def main() -> None:
     if args.cpu_kernels == "packed":
         pack_for_decoding(target.model)
     first_turns = [dataclasses.replace(q, turns=q.turns[:1]) for q in load_prompts(args.prompts, args.limit, order="round-robin")]  # fmt: skip
-    specs = ["ngram", *([f"layers:{args.layers}"] if args.layers > 0 else []), *args.draft]
+    specs = [NGRAM, *([f"{LAYERS}:{args.layers}"] if args.layers > 0 else []), *args.draft]
     drafts = {}
     for spec in specs:
         d = drafts[spec] = run_draft(

@@ -79,6 +79,7 @@ def finished(run_dir: Path, steps: int) -> bool:
 def save_undistilled(out: Path, num_layers: int) -> Path:
     """The draft exactly as distillation starts from it (the recipe's init), saved untrained."""
     from draftsmith.decode.target import load_target
+    from draftsmith.drafts.base import DISTILL
     from draftsmith.train.config import load_config
     from draftsmith.train.registry import build_objective
 
@@ -87,7 +88,7 @@ def save_undistilled(out: Path, num_layers: int) -> Path:
         return path
     config = load_config(RECIPE, [f"--draft.options.num_layers={num_layers}"])
     target = load_target(config.target.spec, dtype=config.target.dtype)
-    objective = build_objective("distill", target, config.draft.options)
+    objective = build_objective(DISTILL, target, config.draft.options)
     objective.save(objective.build_draft(), path)
     return path
 
@@ -129,9 +130,12 @@ def main() -> None:
                 train_seconds[name] = time.perf_counter() - start
             trained[name] = run_dir / "draft"
 
+    from draftsmith.drafts.base import LAYERS
+
     undistilled = save_undistilled(runs, args.num_layers)
     eval_dir = runs / "eval"
-    drafts = [str(undistilled), f"layers:{args.num_layers}", *map(str, trained.values())]
+    layers = f"{LAYERS}:{args.num_layers}"
+    drafts = [str(undistilled), layers, *map(str, trained.values())]
     draftsmith(
         "eval", "--target", "smollm2-135m-instruct", *[a for d in drafts for a in ("--draft", d)],
         "--prompts", "builtin:dev_prompts", "--order", "round-robin",
@@ -140,7 +144,7 @@ def main() -> None:
     )  # fmt: skip
 
     report = json.loads((eval_dir / "report.json").read_text())
-    label = {str(undistilled): "undistilled", f"layers:{args.num_layers}": f"layers:{args.num_layers}"}
+    label = {str(undistilled): "undistilled", layers: layers}
     label.update({str(path): name for name, path in trained.items()})
     rows = []
     for method in report["drafts"]:

@@ -34,6 +34,7 @@ from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.sampling import Sampling
 from draftsmith.decode.target import Target, load_target
 from draftsmith.drafts import build_drafter
+from draftsmith.drafts.base import NGRAM
 from draftsmith.eval.harness import Method, evaluate, use_static_caches
 from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description, write_json
@@ -90,7 +91,7 @@ def part_a(args, device: str) -> list[dict]:
     prompts = [
         replace(q, turns=q.turns[:1]) for q in load_prompts(args.prompts, args.limit, order="round-robin")
     ]
-    drafters = {spec: build_drafter(spec, target) for spec in ["ngram", *args.draft]}
+    drafters = {spec: build_drafter(spec, target) for spec in [NGRAM, *args.draft]}
     methods = [Method(spec, drafter, args.k) for spec, drafter in drafters.items()]
     rows = []
     for setting in ("dynamic", "static+compile"):

@@ -8,7 +8,7 @@ Stages, in one process, on the bundled target in bf16, each fitted into ``--minu
           continuous batching (finished rows refilled at once), stopped at ``--data-minutes``.
           Replies cut at ``--max-new-tokens`` are flagged, and training leaves them out.
   train   configs/smollm2_eagle3.yaml online on those answers for the minutes left (steps fitted to the
-          measured step time: ``bench/gpu_eagle3.py``), with an 8,192-row draft vocabulary; the head
+          measured step time: ``eval.training_speed.fit_and_train``), with an 8,192-row draft vocabulary; the head
           comes back packed (no embedding, bf16) as ``head-*.safetensors`` plus ``meta.tar``.
   decode  through ``eval.evaluate``, greedy, batch 1, on dev prompts: the target alone, n-gram and the
           head (k = 5, ``k auto``, a tree), eagerly and with static cache + CUDA graphs, every output
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tarfile
 import time
 from dataclasses import asdict
@@ -38,12 +37,16 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.eval.timed import (
+    batched_row,
+    decode_batched,
+    decode_each,
+    draftsmith_decoder,
+    side_by_side,
+    transformers_decoder,
+)
+from draftsmith.eval.training_speed import fit_and_train
 from draftsmith.sources import BUILTIN_TRAIN
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batched import time_batched  # noqa: E402
-from gpu_eagle3 import fit_and_train  # noqa: E402
-from peers import ds_runner, hf_runner, time_runners  # noqa: E402
 
 TRAIN_FILES = list(BUILTIN_TRAIN)
 RECIPE = "configs/smollm2_eagle3.yaml"
@@ -173,26 +176,26 @@ def stage_train(args, target, work: Path, minutes: float) -> dict:
 
 def stage_decode(args, target, draft_dir: str, max_new: int) -> dict:
     """Batch 1 through eval.evaluate, eager and static + CUDA graphs; transformers' peers; batch 8."""
-    from draftsmith.decode.speculative import generate
     from draftsmith.decode.tree import TreeSpec
     from draftsmith.drafts import build_drafter
+    from draftsmith.drafts.base import EAGLE3, NGRAM
     from draftsmith.drafts.layer_subset import layer_subset_view
-    from draftsmith.eval.harness import Method, evaluate, use_static_caches
+    from draftsmith.eval.harness import BASELINE, Method, evaluate, use_static_caches
     from draftsmith.eval.prompts import load_prompts, render
     from draftsmith.eval.report import build_report
 
     prompts = load_prompts(args.prompts, args.limit, order="round-robin")
-    ngram, head = build_drafter("ngram", target), build_drafter(draft_dir, target)
+    ngram, head = build_drafter(NGRAM, target), build_drafter(draft_dir, target)
     k = args.k
     settings = {}
     for setting in ("eager", "static+graphs"):
         methods = [
-            Method("ngram", ngram, k),
-            Method("eagle3", head, k),
-            Method("eagle3 k=auto", head, "auto"),
+            Method(NGRAM, ngram, k),
+            Method(EAGLE3, head, k),
+            Method(f"{EAGLE3} k=auto", head, "auto"),
         ]
         if setting == "eager":
-            methods.append(Method(f"eagle3 tree {args.tree}", head, tree=TreeSpec.parse_policy(args.tree)))
+            methods.append(Method(f"{EAGLE3} tree {args.tree}", head, tree=TreeSpec.parse_policy(args.tree)))
         else:
             use_static_caches(target, [ngram, head], prompts, max_new, 8, args.compile_mode)
         start = time.perf_counter()
@@ -212,15 +215,17 @@ def stage_decode(args, target, draft_dir: str, max_new: int) -> dict:
     assistant.generation_config = type(target.model.generation_config).from_dict(
         target.model.generation_config.to_dict()
     )
-    runners = {
-        "draftsmith: target alone": ds_runner(target, None, 0),
-        "draftsmith: eagle3": ds_runner(target, head, k),
-        "hf: generate": hf_runner(target),
-        "hf: prompt_lookup": hf_runner(target, prompt_lookup_num_tokens=k),
-        f"hf: assistant_model(layers:{args.assistant_layers})": hf_runner(target, assistant_model=assistant),
+    decoders = {
+        f"draftsmith: {BASELINE}": draftsmith_decoder(target, None, 0),
+        f"draftsmith: {EAGLE3}": draftsmith_decoder(target, head, k),
+        "hf: generate": transformers_decoder(target),
+        "hf: prompt_lookup": transformers_decoder(target, prompt_lookup_num_tokens=k),
+        f"hf: assistant_model(layers:{args.assistant_layers})": transformers_decoder(
+            target, assistant_model=assistant
+        ),
     }
-    peers = time_runners(runners, firsts[0], firsts, max_new)
-    base = peers["draftsmith: target alone"]["tokens_per_s"]
+    peers = side_by_side(decoders, firsts[0], firsts, max_new)
+    base = peers[f"draftsmith: {BASELINE}"]["tokens_per_s"]
     for name, row in peers.items():
         row["speedup_vs_target_alone"] = row["tokens_per_s"] / base
         log(
@@ -228,14 +233,14 @@ def stage_decode(args, target, draft_dir: str, max_new: int) -> dict:
             f"same as target alone {row['same_as_first']}/{len(firsts)}"
         )
 
-    reference = [generate(target, ids, None, max_new_tokens=max_new).tokens for ids in firsts]
+    reference = decode_each(target, firsts, None, 0, max_new).outputs
     batched = []
-    for name, drafter in {"target alone": None, "ngram": ngram, "eagle3": head}.items():
+    for name, drafter in {BASELINE: None, NGRAM: ngram, EAGLE3: head}.items():
         if drafter is not None and drafter.batched(args.batch) is None:
             log(f"batch {args.batch}: {name} has no batched drafter; left out")
             continue
-        time_batched(target, firsts[: args.batch], reference, drafter, k, args.batch, 8)  # warm-up
-        row = {"method": name, **time_batched(target, firsts, reference, drafter, k, args.batch, max_new)}
+        decode_batched(target, firsts[: args.batch], drafter, k, args.batch, 8)  # warm-up
+        row = {"method": name, **batched_row(target, firsts, reference, drafter, k, args.batch, max_new)}
         batched.append(row)
         log(
             f"batch {args.batch} {name:<14} {row['tokens_per_s']:8.1f} tok/s  τ {row['tau']:.2f}  "

@@ -39,8 +39,7 @@ from tqdm.auto import tqdm
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
-from draftsmith.drafts.distill import DISTILL
-from draftsmith.drafts.eagle import EAGLE1, EAGLE3
+from draftsmith.drafts.base import DISTILL, EAGLE1, EAGLE3
 from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.train.config import load_config

@@ -30,6 +30,7 @@ from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import build_drafter
+from draftsmith.drafts.base import EAGLE3, NGRAM
 from draftsmith.eval.harness import evaluate
 from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description, write_json
@@ -47,7 +48,7 @@ def exports(args) -> dict[str, Path]:
     files = {"q4_1": smollm2_gguf_path(), "f32": work / "target-f32.gguf"}
     if not files["f32"].exists():
         write_gguf(resolve_model_path(TARGET)[0], files["f32"], "f32", smollm2_gguf_path())
-    for name, run in (("eagle3", args.head), ("small", args.small)):
+    for name, run in ((EAGLE3, args.head), ("small", args.small)):
         if run:
             files[name] = work / f"{name}-{args.gguf_dtype}.gguf"
             if not files[name].exists():
@@ -56,7 +57,7 @@ def exports(args) -> dict[str, Path]:
 
 
 def run_llamacpp(args, files, prompt_ids) -> dict[str, dict]:
-    drafts = [None, "ngram", *(d for d in ("small", "eagle3") if d in files)]
+    drafts = [None, NGRAM, *(d for d in ("small", EAGLE3) if d in files)]
     runs: list[llamacpp.SpeculativeRun] = []
     work = Path(args.work)
     try:
@@ -86,8 +87,8 @@ def run_llamacpp(args, files, prompt_ids) -> dict[str, dict]:
 
 def run_draftsmith(args, prompts) -> tuple[dict[str, dict], list[list[int]]]:
     target = load_target(TARGET, device="cpu", dtype="float32")
-    specs = [("eagle3", args.head), ("small", args.small), ("ngram", "ngram")]
-    drafts = [(name, build_drafter(str(locate_checkpoint(s).draft_dir) if name != "ngram" else s, target))
+    specs = [(EAGLE3, args.head), ("small", args.small), (NGRAM, NGRAM)]
+    drafts = [(name, build_drafter(str(locate_checkpoint(s).draft_dir) if name != NGRAM else s, target))
               for name, s in specs if s]  # fmt: skip
     pack_for_decoding(target.model, *(d for _, d in drafts))
     result = evaluate(target, drafts, prompts, k=args.k, max_new_tokens=args.max_new_tokens, warmup=1)

@@ -470,6 +470,7 @@ def stage_llamacpp(work: Path, results: dict, limit: int, max_new_tokens: int, k
     from transformers import AutoTokenizer
 
     from draftsmith import llamacpp
+    from draftsmith.drafts.base import EAGLE3
     from draftsmith.eval.prompts import load_prompts, render
     from draftsmith.export.gguf import write_gguf
     from draftsmith.loading import resolve_model_path, smollm2_gguf_path
@@ -508,7 +509,7 @@ def stage_llamacpp(work: Path, results: dict, limit: int, max_new_tokens: int, k
                 for run in (None, *files):
                     name = f"{target}:{run or 'alone'}"
                     log = folder / f"server-{name.replace(':', '-')}.log"
-                    flags = llamacpp.speculative_args(run and "eagle3", k, files.get(run))
+                    flags = llamacpp.speculative_args(run and EAGLE3, k, files.get(run))
                     server = llamacpp.Server(gguf, flags, log=log)
                     runs.append(llamacpp.SpeculativeRun(name, server.__enter__(), log))
             for run in runs:  # untimed warm-up

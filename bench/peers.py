@@ -26,6 +26,7 @@ from draftsmith.decode.cost_model import CostModel
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
+from draftsmith.drafts.base import LAYERS, NGRAM
 from draftsmith.drafts.layer_subset import layer_subset_view
 from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description, write_json
@@ -72,15 +73,15 @@ def main() -> None:
         target.model.generation_config.to_dict()
     )
     drafters = {
-        spec: build_drafter(spec, target) for spec in ["ngram", f"layers:{args.layers}", *args.assistant]
+        spec: build_drafter(spec, target) for spec in [NGRAM, f"{LAYERS}:{args.layers}", *args.assistant]
     }
     methods = {
         "hf:generate": transformers_decoder(target),
         "hf:prompt_lookup": transformers_decoder(target, prompt_lookup_num_tokens=args.k),
         f"hf:assisted(layers:{args.layers})": transformers_decoder(target, assistant_model=assistant),
         "ds:baseline": draftsmith_decoder(target, None, 0),
-        "ds:ngram": draftsmith_decoder(target, drafters["ngram"], args.k),
-        f"ds:layers:{args.layers}": draftsmith_decoder(target, drafters[f"layers:{args.layers}"], args.k),
+        f"ds:{NGRAM}": draftsmith_decoder(target, drafters[NGRAM], args.k),
+        f"ds:{LAYERS}:{args.layers}": draftsmith_decoder(target, drafters[f"{LAYERS}:{args.layers}"], args.k),
     }
     models = [target.model, assistant, *drafters.values()]
     for path in args.assistant:  # the same saved draft in both decoders
