@@ -9,15 +9,8 @@ from tiny import tiny_target
 
 from draftsmith.decode.speculative import generate
 from draftsmith.drafts import build_drafter
+from draftsmith.eval import timed
 from draftsmith.eval.stats import AcceptanceStats
-from draftsmith.eval.timed import (
-    batched_row,
-    decode_batched,
-    decode_each,
-    draftsmith_decoder,
-    side_by_side,
-    transformers_decoder,
-)
 from draftsmith.eval.training_speed import StepTimer, peak_flops
 
 MAX_NEW = 24
@@ -39,7 +32,7 @@ def target():
 
 def test_decode_each_keeps_the_record_of_every_generation(target):
     ngram = build_drafter("ngram", target)
-    run = decode_each(target, prompts(), ngram, 4, MAX_NEW)
+    run = timed.decode_each(target, prompts(), ngram, 4, MAX_NEW)
     alone = [generate(target, p, ngram, k=4, max_new_tokens=MAX_NEW) for p in prompts()]
     assert run.outputs == [r.tokens for r in alone]
     assert run.stats.acceptance == sum((AcceptanceStats.from_result(r) for r in alone), AcceptanceStats())
@@ -50,8 +43,8 @@ def test_decode_each_keeps_the_record_of_every_generation(target):
 
 def test_decode_batched_equals_one_at_a_time_and_counts_batched_passes(target):
     ngram = build_drafter("ngram", target)
-    each = decode_each(target, prompts(), ngram, 4, MAX_NEW)
-    batched = decode_batched(target, prompts(), ngram, 4, 2, MAX_NEW)  # a batch of 2, then of 1
+    each = timed.decode_each(target, prompts(), ngram, 4, MAX_NEW)
+    batched = timed.decode_batched(target, prompts(), ngram, 4, 2, MAX_NEW)  # a batch of 2, then of 1
     assert batched.outputs == each.outputs
     # n-gram proposals depend on the tokens alone: the very same steps, so the very same record
     assert batched.stats.acceptance == each.stats.acceptance
@@ -62,26 +55,28 @@ def test_decode_batched_equals_one_at_a_time_and_counts_batched_passes(target):
 
 def test_batched_row_derives_tau_and_exact_from_the_record(target):
     ngram = build_drafter("ngram", target)
-    reference = decode_each(target, prompts(), None, 0, MAX_NEW).outputs
-    row = batched_row(target, prompts(), reference, ngram, 4, 3, MAX_NEW)
-    run = decode_batched(target, prompts(), ngram, 4, 3, MAX_NEW)
+    reference = timed.decode_each(target, prompts(), None, 0, MAX_NEW).outputs
+    row = timed.batched_row(target, prompts(), reference, ngram, 4, 3, MAX_NEW)
+    run = timed.decode_batched(target, prompts(), ngram, 4, 3, MAX_NEW)
     assert row["tau"] == run.stats.acceptance.tau > 1.0
     assert row["exact"] == row["prompts"] == 3 and row["tokens"] == sum(map(len, reference))
     assert row["batched_forwards"] == run.stats.timing.target_forwards
     wrong = [[t + 1 for t in out] for out in reference[:2]] + reference[2:]
-    assert batched_row(target, prompts(), wrong, None, 0, 3, MAX_NEW)["exact"] == 1
-    assert batched_row(target, prompts(), reference, None, 0, 3, MAX_NEW)["tau"] == 1.0  # the target alone
+    assert timed.batched_row(target, prompts(), wrong, None, 0, 3, MAX_NEW)["exact"] == 1
+    assert (
+        timed.batched_row(target, prompts(), reference, None, 0, 3, MAX_NEW)["tau"] == 1.0
+    )  # the target alone
 
 
 def test_side_by_side_times_every_decoder_on_every_prompt(target):
     ngram = build_drafter("ngram", target)
     decoders = {
-        "draftsmith alone": draftsmith_decoder(target, None, 0),
-        "transformers generate": transformers_decoder(target),
-        "draftsmith ngram": draftsmith_decoder(target, ngram, 4),
+        "draftsmith alone": timed.draftsmith_decoder(target, None, 0),
+        "transformers generate": timed.transformers_decoder(target),
+        "draftsmith ngram": timed.draftsmith_decoder(target, ngram, 4),
         "wrong": lambda prompt, max_new: [0] * max_new,
     }
-    rows = side_by_side(decoders, prompts()[0], prompts(), MAX_NEW)
+    rows = timed.side_by_side(decoders, prompts()[0], prompts(), MAX_NEW)
     assert list(rows) == list(decoders)
     for name, row in rows.items():
         assert len(row["outputs"]) == 3 and row["tokens"] == sum(map(len, row["outputs"])), name
