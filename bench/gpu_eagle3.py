@@ -4,7 +4,7 @@ A lent GPU comes with minutes, not hours, and a cosine schedule must know its le
 ``train`` first times a few steps of the very recipe (same shapes: with ``data.pack`` every micro-batch
 is batch_size x max_length tokens, so a few steps on a slice of the data give the step time), then
 sets ``trainer.max_steps`` to what fits in ``--minutes`` and trains, with ``trainer.max_time`` as a
-safety net (``draftsmith.eval.training_speed.fit_and_train``). It records tokens/s and model FLOP
+safety net (``draftsmith.train.speed.fit_and_train``). It records tokens/s and model FLOP
 utilisation of the real run.
 
 A device call returns at most 16 MiB a file; ``pack`` and ``unpack`` (``draftsmith.export.transport``)
@@ -23,8 +23,8 @@ import json
 import time
 from pathlib import Path
 
-from draftsmith.eval.training_speed import fit_and_train
 from draftsmith.export.transport import pack, unpack
+from draftsmith.train.speed import fit_and_train
 
 
 def run_train(args, overrides: list[str]) -> None:

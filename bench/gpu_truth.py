@@ -8,7 +8,7 @@ Stages, in one process, on the bundled target in bf16, each fitted into ``--minu
           continuous batching (finished rows refilled at once), stopped at ``--data-minutes``.
           Replies cut at ``--max-new-tokens`` are flagged, and training leaves them out.
   train   configs/smollm2_eagle3.yaml online on those answers for the minutes left (steps fitted to the
-          measured step time: ``eval.training_speed.fit_and_train``), with an 8,192-row draft vocabulary; the head
+          measured step time: ``train.speed.fit_and_train``), with an 8,192-row draft vocabulary; the head
           comes back packed (no embedding, bf16) as ``head-*.safetensors`` plus ``meta.tar``.
   decode  through ``eval.evaluate``, greedy, batch 1, on dev prompts: the target alone, n-gram and the
           head (k = 5, ``k auto``, a tree), eagerly and with static cache + CUDA graphs, every output
@@ -45,8 +45,8 @@ from draftsmith.eval.timed import (
     side_by_side,
     transformers_decoder,
 )
-from draftsmith.eval.training_speed import fit_and_train
 from draftsmith.sources import BUILTIN_TRAIN
+from draftsmith.train.speed import fit_and_train
 
 TRAIN_FILES = list(BUILTIN_TRAIN)
 RECIPE = "configs/smollm2_eagle3.yaml"

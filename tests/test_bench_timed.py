@@ -1,4 +1,4 @@
-"""The benchmarks' timed runs (eval/timed.py, eval/training_speed.py): what they did is eval/stats'
+"""The benchmarks' timed runs (eval/timed.py, train/speed.py): what they did is eval/stats'
 record of the generations they ran, and the JSON rows the bench scripts write derive from it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from draftsmith.decode.speculative import generate
 from draftsmith.drafts import build_drafter
 from draftsmith.eval import timed
 from draftsmith.eval.stats import AcceptanceStats
-from draftsmith.eval.training_speed import StepTimer, peak_flops
+from draftsmith.train.speed import StepTimer, peak_flops
 
 MAX_NEW = 24
 

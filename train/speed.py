@@ -26,8 +26,8 @@ from draftsmith.eval.report import hardware_description
 from draftsmith.train.objective import Batch
 
 PEAK_BF16_FLOPS = {
-    "H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 756e12,
-    "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12, "MI300X": 1307e12,
+    "H200": 989e12, "H100 SXM": 989e12, "H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 756e12,  # datasheet
+    "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12, "MI300X": 1307e12,  # datasheet
 }  # fmt: skip
 """Peak dense bf16 tensor FLOP/s per device, from the vendors' datasheets (no sparsity)."""
 
