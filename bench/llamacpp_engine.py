@@ -32,6 +32,7 @@ from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import build_drafter
 from draftsmith.drafts.base import EAGLE3, NGRAM
 from draftsmith.eval.harness import evaluate
+from draftsmith.eval.llamacpp_runs import SpeculativeRun
 from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.export import export_checkpoint
@@ -58,7 +59,7 @@ def exports(args) -> dict[str, Path]:
 
 def run_llamacpp(args, files, prompt_ids) -> dict[str, dict]:
     drafts = [None, NGRAM, *(d for d in ("small", EAGLE3) if d in files)]
-    runs: list[llamacpp.SpeculativeRun] = []
+    runs: list[SpeculativeRun] = []
     work = Path(args.work)
     try:
         for target in args.targets:
@@ -68,7 +69,7 @@ def run_llamacpp(args, files, prompt_ids) -> dict[str, dict]:
                 kind = "draft" if draft == "small" else draft
                 flags = llamacpp.speculative_args(kind, args.k, files.get(draft))
                 server = llamacpp.Server(files[target], flags, args.threads, log)
-                runs.append(llamacpp.SpeculativeRun(name, server.__enter__(), log))
+                runs.append(SpeculativeRun(name, server.__enter__(), log))
         for run in runs:  # untimed warm-up
             run.complete(prompt_ids[0], min(32, args.max_new_tokens), timed=False)
         for i, ids in enumerate(prompt_ids):

@@ -471,6 +471,7 @@ def stage_llamacpp(work: Path, results: dict, limit: int, max_new_tokens: int, k
 
     from draftsmith import llamacpp
     from draftsmith.drafts.base import EAGLE3
+    from draftsmith.eval.llamacpp_runs import SpeculativeRun
     from draftsmith.eval.prompts import load_prompts, render
     from draftsmith.export.gguf import write_gguf
     from draftsmith.loading import resolve_model_path, smollm2_gguf_path
@@ -511,7 +512,7 @@ def stage_llamacpp(work: Path, results: dict, limit: int, max_new_tokens: int, k
                     log = folder / f"server-{name.replace(':', '-')}.log"
                     flags = llamacpp.speculative_args(run and EAGLE3, k, files.get(run))
                     server = llamacpp.Server(gguf, flags, log=log)
-                    runs.append(llamacpp.SpeculativeRun(name, server.__enter__(), log))
+                    runs.append(SpeculativeRun(name, server.__enter__(), log))
             for run in runs:  # untimed warm-up
                 run.complete(prompt_ids[0], min(32, max_new_tokens), timed=False)
             for ids in prompt_ids:

@@ -18,12 +18,20 @@ FOLDERS = {"decode": "decode", "drafts": "drafts", "eval": "eval", "train": "tra
 LAYERS = [
     (
         "model loading and io",
-        ("draftsmith.files", "draftsmith.hub", "draftsmith.loading", "draftsmith.sources"),
+        # llamacpp drives an external engine (the build, llama-server over HTTP): io, which `data
+        # regenerate --engine llamacpp` (train) and the benches use alike
+        (
+            "draftsmith.files",
+            "draftsmith.hub",
+            "draftsmith.llamacpp",
+            "draftsmith.loading",
+            "draftsmith.sources",
+        ),
     ),
     ("decode", ("draftsmith.decode",)),
     ("drafts", ("draftsmith.drafts",)),
     ("train and eval", ("draftsmith.train", "draftsmith.eval")),
-    ("app", ("draftsmith",)),  # everything else: cli, quickstart, export/, publish/, llamacpp, ...
+    ("app", ("draftsmith",)),  # everything else: cli, quickstart, export/, publish/, ...
 ]
 
 KNOWN_UPWARD_STRINGS: set[tuple[str, str]] = set()

@@ -20,6 +20,7 @@ from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import distill
 from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
 from draftsmith.drafts.eagle_drafter import EagleDrafter
+from draftsmith.eval.llamacpp_runs import SpeculativeRun
 from draftsmith.export import export_checkpoint
 from draftsmith.export import gguf as gguf_export
 from draftsmith.export.verify import verify_export
@@ -105,8 +106,8 @@ def test_speculative_run_counts_what_llamacpp_accepted(tiny):
             log=root / "self.log",
         ) as s,
     ):
-        alone = llamacpp.SpeculativeRun("alone", a, root / "alone.log")
-        itself = llamacpp.SpeculativeRun("self", s, root / "self.log")
+        alone = SpeculativeRun("alone", a, root / "alone.log")
+        itself = SpeculativeRun("self", s, root / "self.log")
         for run in (alone, itself):
             run.complete(prompt, n)
     row = itself.summary(alone)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from draftsmith import llamacpp
+from draftsmith.eval.llamacpp_runs import step_counts
 
 TRACE = """\
 srv  update_slots: id  0 | task 3 | accepted 2/4 draft tokens, new n_past = 40
@@ -15,14 +16,14 @@ srv  update_slots: id  0 | task 3 | accepted 4/4 draft tokens, new n_past = 46
 
 
 def test_step_counts_reads_each_verify_step_and_the_tokens_left_over():
-    accepted, proposed = llamacpp.step_counts(TRACE, 12)
+    accepted, proposed = step_counts(TRACE, 12)
     # three verify steps commit 3 + 1 + 5 = 9 tokens; with the prompt pass's first, 2 were decoded alone
     assert accepted == [2, 0, 4, 0, 0] and proposed == [4, 4, 4, 0, 0]
 
 
 def test_step_counts_of_a_last_step_cut_by_n_predict_leaves_nothing_over():
-    assert llamacpp.step_counts(TRACE, 8) == ([2, 0, 4], [4, 4, 4])
-    assert llamacpp.step_counts("", 5) == ([0, 0, 0, 0], [0, 0, 0, 0])
+    assert step_counts(TRACE, 8) == ([2, 0, 4], [4, 4, 4])
+    assert step_counts("", 5) == ([0, 0, 0, 0], [0, 0, 0, 0])
 
 
 def test_speculative_args_per_kind():
