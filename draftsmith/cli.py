@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
+    args.argv = list(argv)  # what was run, for a message that says how to rerun it (a resumable job)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0 if args.command is None else 2

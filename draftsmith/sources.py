@@ -9,6 +9,7 @@ job (``train/corpus/conversations.py``); this module imports nothing but the sta
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl
@@ -88,9 +89,36 @@ def parse_source(spec: str | Path) -> Path | HubSource:
     return Path(spec)
 
 
+GLOB_CHARS = "*?["
+
+
+def expand_sources(specs: Sequence[str | Path]) -> list[str | Path]:
+    """The specs with every local-path pattern (``regen/part-*.jsonl``: the shards of a sharded
+    ``data regenerate``) replaced by the files it matches, sorted; a pattern that matches nothing is an
+    error naming it. ``builtin:`` and ``hf:`` specs pass through."""
+    expanded: list[str | Path] = []
+    for spec in specs:
+        text = str(spec)
+        if text.startswith((BUILTIN_PREFIX, HUB_PREFIX)) or not any(c in text for c in GLOB_CHARS):
+            expanded.append(spec)
+            continue
+        path = Path(text)
+        anchor = Path(path.anchor) if path.is_absolute() else Path()
+        matches = sorted(p for p in anchor.glob(str(path.relative_to(anchor))) if p.is_file())
+        if not matches:
+            raise DataSourceError(
+                f"{text} matches no file; check the pattern (shards are e.g. regen/part-*.jsonl)"
+            )
+        expanded.extend(matches)
+    return expanded
+
+
 def check_source(spec: str | Path, what: str = "data file") -> None:
     """Fail now, before a model loads, on a local file that is missing or a spec that does not parse
-    (a Hub dataset is only found when it is loaded)."""
+    (a Hub dataset is only found when it is loaded); a pattern must match at least one file."""
+    if any(c in str(spec) for c in GLOB_CHARS) and not str(spec).startswith((BUILTIN_PREFIX, HUB_PREFIX)):
+        expand_sources([spec])
+        return
     source = parse_source(spec)
     if isinstance(source, Path) and not source.is_file():
         raise FileNotFoundError(

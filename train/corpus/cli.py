@@ -20,6 +20,22 @@ actually says, which raises acceptance. Output: JSONL in the "messages" shape, w
 
 Resumable: rerun the same command after an interruption; records already in --out are skipped and new
 ones appended (each is flushed as soon as it is complete, so a kill loses at most the batch in flight).
+
+Engines (each record says which wrote it, in "generator"):
+  transformers (default)  the target in this process (static batches or continuous batching)
+  --server URL            any OpenAI-compatible server of the target (vLLM, SGLang, llama-server), repeatable
+                          for replicas; --batch-size requests in flight per server. draftsmith renders the
+                          chat template and sends token ids; the server's model is checked against --target
+                          (vocabulary, tokenization of a probe text) before any work. Rows are written in
+                          input order; a server that stops answering is retried with backoff, then the run
+                          stops with what was written kept: rerun to resume.
+  --engine llamacpp       starts llama-server on the target's GGUF (the bundled one for smollm2-135m-instruct,
+                          or a .gguf --target) from `bash scripts/install_llamacpp.sh`, runs the job, stops it:
+                          the replies are that GGUF's own, as a draft served beside it should learn
+
+Sharding (a cluster): --shard I/N takes conversations I, I+N, I+2N, ... of the input, so N jobs (a SLURM
+array, each with its own server) write disjoint files that training reads as one data set
+(data.regenerated: 'regen/part-*.jsonl'). docs/TRAINING.md has a SLURM and a vLLM example.
 """
 
 
@@ -140,6 +156,23 @@ def add_parser(subparsers) -> None:
         type=float,
         default=None,
         help="start no conversation after this many minutes (those in flight finish); rerun to go on",
+    )
+    regen.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an OpenAI-compatible server of the target (http://host:port); repeat for replicas",
+    )
+    regen.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=None,
+        help="transformers (default): the target in this process; llamacpp: a local llama-server on the "
+        "target's GGUF; server: the --server URLs (implied by --server)",
+    )
+    regen.add_argument(
+        "--shard", default=None, metavar="I/N", help="only shard I of N (I from 0): every N-th conversation"
     )
     regen.set_defaults(func=run_regenerate)
 
@@ -269,24 +302,51 @@ def run_synthesize(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_regenerate(args: argparse.Namespace) -> int:
-    from draftsmith.train.corpus.regenerate import regenerate
+ENGINES = ("transformers", "server", "llamacpp")
 
-    model, tokenizer, name = load_writer(args)
-    stats = regenerate(
-        model,
-        tokenizer,
-        args.data,
-        args.out,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        temperature=args.temperature,
-        limit=args.limit,
-        max_prompt_tokens=args.max_prompt_tokens,
-        seed=args.seed,
-        batching=args.batching,
-        max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
-    )
+
+def run_regenerate(args: argparse.Namespace) -> int:
+    from draftsmith.train.corpus.prompts import parse_shard
+
+    engine = args.engine or ("server" if args.server else "transformers")
+    if engine == "server" and not args.server:
+        raise ValueError("--engine server needs at least one --server URL")
+    if args.server and engine != "server":
+        raise ValueError(f"--server is the server engine's; drop --engine {engine} or --server")
+    shard = parse_shard(args.shard) if args.shard else None
+    if engine == "transformers":
+        from draftsmith.train.corpus.regenerate import regenerate
+
+        model, tokenizer, name = load_writer(args)
+        generator = {
+            "engine": "transformers",
+            "weights": name,
+            "dtype": str(model.dtype).removeprefix("torch."),
+        }
+        stats = regenerate(
+            model,
+            tokenizer,
+            args.data,
+            args.out,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            temperature=args.temperature,
+            limit=args.limit,
+            max_prompt_tokens=args.max_prompt_tokens,
+            seed=args.seed,
+            batching=args.batching,
+            max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
+            shard=shard,
+            generator=generator,
+        )
+    else:
+        if args.max_minutes is not None:
+            raise ValueError(
+                "--max-minutes is the transformers engine's; stop a server job with Ctrl-C and rerun"
+            )
+        from draftsmith.train.corpus.served import run_served
+
+        stats, name = run_served(args, engine, shard)
     print(
         f"{name}: wrote {stats.written} conversations to {args.out} ({stats.already_done} were already there); "
         f"{stats.replies} replies ({stats.tokens} tokens), {stats.truncated_replies} hit --max-new-tokens (flagged; training leaves "

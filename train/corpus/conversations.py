@@ -16,7 +16,7 @@ from pathlib import Path
 import datasets
 
 from draftsmith.files import json_error, open_text, read_jsonl
-from draftsmith.sources import DataSourceError, HubSource, parse_source
+from draftsmith.sources import DataSourceError, HubSource, expand_sources, parse_source
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def shape_of_columns(columns: Sequence[str]) -> str | None:
 
 
 def load_conversations(paths: Sequence[str | Path]) -> datasets.Dataset:
-    """Load conversation sources (JSON/JSONL files, ``builtin:`` names, ``hf:`` datasets) into a Dataset
+    """Load conversation sources (JSON/JSONL files or patterns of them, ``builtin:`` names, ``hf:`` datasets) into a Dataset
     with one column ``messages``.
 
     Each record may be in any shape of ``SHAPES`` (told per record). Skipped, and counted in the log:
@@ -215,6 +215,7 @@ def load_conversations(paths: Sequence[str | Path]) -> datasets.Dataset:
         paths = [paths]
     if not paths:
         raise ValueError("no data given; pass at least one JSON/JSONL file, builtin: name or hf: dataset")
+    paths = expand_sources(paths)  # a pattern (the shards of a sharded regeneration) names its files
     rows, empty, cut = [], 0, 0
     for path in paths:
         for _, messages, record in _iter_records(path):

@@ -12,7 +12,7 @@ from itertools import zip_longest
 from pathlib import Path
 
 from draftsmith.files import json_error
-from draftsmith.sources import parse_source, source_name
+from draftsmith.sources import expand_sources, parse_source, source_name
 from draftsmith.train.corpus.conversations import Message, iter_conversations
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def source_conversations(
     names, ``hf:`` datasets), in order; a source id is "file name:record index" (for a dataset, its
     ``hf:`` spec in place of the file name)."""
     names: dict[str, str | Path] = {}
-    for spec in paths:
+    for spec in expand_sources(paths):
         name = source_name(parse_source(spec))
         if name in names and parse_source(names[name]) != parse_source(spec):
             raise ValueError(
@@ -41,6 +41,26 @@ def source_conversations(
             if messages:
                 found.append((f"{name}:{index}", messages))
     return found
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> (I, N): the I-th of N disjoint shards, I counted from 0 as SLURM array task ids are."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {text!r}: expected I/N, e.g. 0/4 (I counts from 0)") from None
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"--shard {text!r}: I must be 0..N-1 and N at least 1 (0/4, 1/4, 2/4, 3/4)")
+    return index, count
+
+
+def take_shard(items: list, shard: tuple[int, int] | None) -> list:
+    """The items of shard (i, n): those at positions i, i + n, i + 2n, ... of the input order. n jobs with
+    i = 0..n-1 take every item exactly once, whatever the sources' sizes; None takes all."""
+    if shard is None:
+        return items
+    index, count = shard
+    return items[index::count]
 
 
 def first_user_turns(
@@ -60,7 +80,7 @@ def first_user_turns(
                 yield {"id": pid, "messages": [user]}
 
     chosen: list[dict] = []
-    for group in zip_longest(*(firsts(p) for p in paths)):
+    for group in zip_longest(*(firsts(p) for p in expand_sources(paths))):
         chosen.extend(r for r in group if r is not None)
         if len(chosen) >= count:
             break

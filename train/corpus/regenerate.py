@@ -36,7 +36,7 @@ from draftsmith.train.corpus.generate import (
     generation_config,
     run_continuous,
 )
-from draftsmith.train.corpus.prompts import read_done, source_conversations
+from draftsmith.train.corpus.prompts import read_done, source_conversations, take_shard
 from draftsmith.train.corpus.tokens import chat_text, check_chat_template
 
 BATCHING = ("auto", "continuous", "static")
@@ -60,7 +60,7 @@ class RegenerateStats:
     """conversations not started because ``max_seconds`` ran out (a rerun does them)"""
 
 
-class _Dialogue:
+class Dialogue:
     """One conversation being rewritten: walks the source turns, asks for a reply where one is due."""
 
     def __init__(self, source_id: str, source: list[Message]):
@@ -90,6 +90,17 @@ class _Dialogue:
         self.out.append({"role": "assistant", "content": reply})
         self.truncated += not finished
 
+    def next_ids(self, tokenizer, max_prompt_tokens: int | None) -> list[int] | None:
+        """The token ids of the next prompt (rendered with the chat template, generation prompt added), or
+        None once the dialogue is done: over, or stopped because its prompt outgrew ``max_prompt_tokens``."""
+        while (messages := self.next_prompt()) is not None:
+            text = chat_text(tokenizer, messages, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
+                return ids
+            self.stop()
+        return None
+
     def stop(self) -> None:
         """The prompt is too long: keep the conversation up to its last reply and end it."""
         last = max((i for i, m in enumerate(self.out) if m["role"] == "assistant"), default=None)
@@ -97,12 +108,15 @@ class _Dialogue:
             del self.out[last + 1 :]
         self.done = self.cut = True
 
-    def record(self) -> dict:
+    def record(self, generator: dict | None = None) -> dict:
+        """The output line: the conversation, its flags, and what wrote the replies (``generator``)."""
         rec: dict = {"source_id": self.source_id, "messages": self.out}
         if self.truncated:
             rec["truncated_replies"] = self.truncated
         if self.cut:
             rec["prompt_too_long"] = True
+        if generator:
+            rec["generator"] = generator
         return rec
 
 
@@ -120,6 +134,8 @@ def regenerate(
     progress: bool = True,
     batching: str = "auto",
     max_seconds: float | None = None,
+    shard: tuple[int, int] | None = None,
+    generator: dict | None = None,
 ) -> RegenerateStats:
     """Rewrite the assistant turns of the conversations in ``paths`` with ``model``; append to ``out``.
 
@@ -127,6 +143,8 @@ def regenerate(
     whose prompt grows past it, keeping the turns already answered. temperature 0 is greedy decoding.
     ``batch_size``: conversations in flight at once; ``batching``: ``auto``, ``continuous`` or ``static``.
     ``max_seconds``: start no conversation after this long (those in flight finish); a rerun resumes.
+    ``shard=(i, n)``: only the i-th of n disjoint shards of the input (``prompts.take_shard``).
+    ``generator`` (engine, weights) is written into every record.
     """
     if batching not in BATCHING:
         raise ValueError(f"batching {batching!r}: choose one of {', '.join(BATCHING)}")
@@ -152,7 +170,7 @@ def regenerate(
 
     out = Path(out)
     done = read_done(out)
-    sources = source_conversations(paths, limit)
+    sources = take_shard(source_conversations(paths, limit), shard)
     todo = [(sid, msgs) for sid, msgs in sources if sid not in done]
     # long conversations together: less padding per batch, and out-of-memory shows up at once, not at the end
     todo.sort(key=lambda item: -sum(len(m["content"]) for m in item[1]))
@@ -169,31 +187,23 @@ def regenerate(
         ) as bar,
     ):
 
-        def write(dialogue: _Dialogue) -> None:
-            f.write(json.dumps(dialogue.record(), ensure_ascii=False) + "\n")
+        def write(dialogue: Dialogue) -> None:
+            f.write(json.dumps(dialogue.record(generator), ensure_ascii=False) + "\n")
             f.flush()
             stats.written += 1
+            stats.cut_conversations += dialogue.cut
             bar.update(1)
 
-        def prompt_of(dialogue: _Dialogue) -> list[int] | None:
-            """The token ids of the dialogue's next prompt, or None once it is done (too long, or over)."""
-            while (messages := dialogue.next_prompt()) is not None:
-                ids = tokenizer(
-                    chat_text(tokenizer, messages, add_generation_prompt=True), add_special_tokens=False
-                )["input_ids"]
-                if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
-                    return ids
-                dialogue.stop()
-                stats.cut_conversations += 1
-            return None
+        def prompt_of(dialogue: Dialogue) -> list[int] | None:
+            return dialogue.next_ids(tokenizer, max_prompt_tokens)
 
-        def answered(dialogue: _Dialogue, reply_ids: list[int], finished: bool) -> None:
+        def answered(dialogue: Dialogue, reply_ids: list[int], finished: bool) -> None:
             dialogue.answer(tokenizer.decode(reply_ids, skip_special_tokens=True), finished)
             stats.replies += 1
             stats.tokens += len(reply_ids) + finished
             stats.truncated_replies += not finished
 
-        dialogues = [_Dialogue(sid, msgs) for sid, msgs in todo]
+        dialogues = [Dialogue(sid, msgs) for sid, msgs in todo]
         deadline = None if max_seconds is None else time.perf_counter() + max_seconds
 
         def more() -> bool:
