@@ -13,14 +13,13 @@ untimed warm-up runs every method first.
 from __future__ import annotations
 
 import argparse
-import time
 
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
 from draftsmith.drafts.base import NGRAM
 from draftsmith.eval.prompts import load_prompts, render
-from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.report import bench_record, write_json
 from draftsmith.eval.timed import batched_row, decode_batched, decode_each
 
 
@@ -67,14 +66,7 @@ def main() -> None:
                 f"{row['tau']:>7.2f}{row['exact']:>5}/{len(prompts)}",
                 flush=True,
             )
-    result = {
-        "target": target.name,
-        "settings": vars(args),
-        "hardware": hardware_description(target.device, target.dtype),
-        "date": time.strftime("%Y-%m-%d"),
-        "rows": rows,
-    }
-    write_json(args.out, result)
+    write_json(args.out, bench_record(target, vars(args), rows=rows))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from draftsmith.decode.target import load_target
-from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.report import bench_record, write_json
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
 from draftsmith.train.speed import StepTimer, peak_flops
@@ -98,14 +98,7 @@ def main() -> None:
         print(f"{name:32s} {per_device:8.0f} tok/s/device   {timer.flops_per_token / 1e9:7.2f} GFLOP/token   "
               f"{shown}   ({timer.tokens} tokens, {timer.seconds:.0f} s; {wall - timer.seconds:.0f} s outside steps)",
               flush=True)  # fmt: skip
-    result = {
-        "target": target.name,
-        "settings": vars(args),
-        "hardware": hardware_description(target.device, target.dtype),
-        "date": time.strftime("%Y-%m-%d"),
-        "runs": rows,
-    }
-    write_json(args.out, result)
+    write_json(args.out, bench_record(target, vars(args), runs=rows))
 
 
 if __name__ == "__main__":

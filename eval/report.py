@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -335,6 +336,14 @@ def format_markdown(report: dict) -> str:
         out += ["", "![per-position acceptance and τ by category](acceptance.png)"]
     out += ["", "```", METRICS, "```", ""]
     return "\n".join(out)
+
+
+def bench_record(target, settings: dict, **results) -> dict:
+    """A bench script's result: the target's name, the settings it ran with, the hardware and the date,
+    then ``results``."""
+    return {"target": target.name, "settings": settings,
+            "hardware": hardware_description(target.device, target.dtype), "date": time.strftime("%Y-%m-%d"),
+            **results}  # fmt: skip
 
 
 def write_json(path: str | Path, result: dict) -> Path:

@@ -14,10 +14,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from tiny import tiny_bpe_tokenizer, tiny_model, tiny_tokenizer
+from test_regenerate import data, target, target_dir  # noqa: F401 (the same tiny target and conversations)
+from tiny import tiny_bpe_tokenizer
 
 from draftsmith.cli import main
-from draftsmith.loading import eos_token_ids, load_causal_lm
+from draftsmith.loading import eos_token_ids
 from draftsmith.sources import DataSourceError, expand_sources
 from draftsmith.train.corpus.conversations import load_conversations
 from draftsmith.train.corpus.prompts import parse_shard, take_shard
@@ -96,42 +97,11 @@ class FakeServer:
         self.http.server_close()
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-target")
-    tiny_model("llama").save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    model, tokenizer, _ = load_causal_lm(str(target_dir), device="cpu")
-    return model, tokenizer
-
-
 @pytest.fixture
 def server(target):
     fake = FakeServer(*target)
     yield fake
     fake.close()
-
-
-@pytest.fixture
-def data(tmp_path):
-    records = [{"question": f"What is {i}+{i}?", "answer": f"{2 * i}"} for i in range(9)] + [
-        {
-            "conversations": [
-                {"from": "human", "value": "hi"},
-                {"from": "gpt", "value": "hello"},
-                {"from": "human", "value": "bye?"},
-                {"from": "gpt", "value": "bye"},
-            ]
-        }  # fmt: skip
-    ]
-    path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def lines(path) -> list[dict]:
@@ -153,10 +123,10 @@ def test_served_replies_equal_the_in_process_ones_in_input_order(target, server,
     out = tmp_path / "served.jsonl"
     stats = served(target, data, out, [server.url, server.url], in_flight=3)  # two "replicas", 6 in flight
     rows = lines(out)
-    assert [r["source_id"] for r in rows] == [f"train.jsonl:{i}" for i in range(10)]  # input order
+    assert [r["source_id"] for r in rows] == [f"train.jsonl:{i}" for i in range(6)]  # input order
     by_id = {r["source_id"]: r["messages"] for r in lines(ours)}
     assert all(r["messages"] == by_id[r["source_id"]] for r in rows)
-    assert rows[0]["generator"]["model"] == "tiny" and stats.written == 10 and stats.replies == 11
+    assert rows[0]["generator"]["model"] == "tiny" and stats.written == 6 and stats.replies == 7
     assert sum(r.get("truncated_replies", 0) for r in rows) == stats.truncated_replies
 
 
@@ -195,9 +165,9 @@ def test_a_server_that_dies_mid_run_stops_with_rows_kept_and_the_rerun_resumes(
     server.die_after = None
     stats = served(target, data, out, [server.url], in_flight=2)
     rows = lines(out)
-    assert stats.already_done == 4 and stats.written == 6
+    assert stats.already_done == 4 and stats.written == 2
     assert [r["source_id"] for r in rows] == [
-        f"train.jsonl:{i}" for i in range(10)
+        f"train.jsonl:{i}" for i in range(6)
     ]  # every row once, in order
 
 
@@ -223,7 +193,7 @@ def test_shards_are_disjoint_cover_the_input_and_train_as_one_set(target, server
     for i in range(3):
         served(target, data, tmp_path / f"part-{i}.jsonl", [server.url], shard=(i, 3))
     ids = [r["source_id"] for i in range(3) for r in lines(tmp_path / f"part-{i}.jsonl")]
-    assert sorted(ids) == sorted(f"train.jsonl:{i}" for i in range(10)) and len(set(ids)) == 10
+    assert sorted(ids) == sorted(f"train.jsonl:{i}" for i in range(6)) and len(set(ids)) == 6
     assert expand_sources([str(tmp_path / "part-*.jsonl")]) == [
         tmp_path / f"part-{i}.jsonl" for i in range(3)
     ]
@@ -240,7 +210,7 @@ def test_cli_server_engine(target_dir, server, data, tmp_path, capsys, monkeypat
     assert main(["data", "regenerate", "--target", str(target_dir), "--data", str(data), "--out", str(out),
                  "--server", server.url, "--max-new-tokens", str(MAX_NEW), "--shard", "1/2"]) == 0  # fmt: skip
     rows = lines(out)
-    assert [r["source_id"] for r in rows] == [f"train.jsonl:{i}" for i in range(1, 10, 2)]
+    assert [r["source_id"] for r in rows] == [f"train.jsonl:{i}" for i in range(1, 6, 2)]
     assert rows[0]["generator"] == {"engine": "server", "model": "tiny"}
     assert main(["data", "regenerate", "--target", str(target_dir), "--data", str(data), "--out", str(out),
                  "--engine", "server"]) == 2  # fmt: skip
