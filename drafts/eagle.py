@@ -13,7 +13,8 @@ Two presets share one ``EagleHead``:
 
 Training unrolls the head several steps on its own outputs ("training-time test", TTT): at step j the
 query at anchor t attends causally to step-0 keys (real features) and to its own keys of steps 1..j at
-the same anchor — exactly what chain drafting sees at inference. ``ttt_attention_mask`` builds that mask.
+the same anchor — exactly what chain drafting sees at inference. ``ttt_attention_mask`` builds that mask;
+it and the head's other stand-alone parts, which training imports too, are in ``eagle_parts.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ from draftsmith.decode.features import LAYER_ID_CONVENTION, resolve_layer_ids
 from draftsmith.drafts.base import DRAFT_KIND_KEY, EAGLE1, EAGLE3, MIRROR, DraftKind, register
 from draftsmith.drafts.base import check_target as check_draft_target
 from draftsmith.drafts.eagle_drafter import EagleDrafter
+from draftsmith.drafts.eagle_parts import (
+    WideInputLayer,
+    build_vocab_map,
+    copy_final_norm,
+    packed_segments,
+    ttt_attention_mask,
+)
 from draftsmith.drafts.engines import HF
 
 PRESETS = (EAGLE1, EAGLE3)
@@ -181,96 +189,6 @@ AutoConfig.register(EagleConfig.model_type, EagleConfig, exist_ok=True)
 def check_target(config: EagleConfig, target) -> None:
     """Refuse to use a head with a target other than the one it was trained for."""
     check_draft_target(config.target, target, f"EAGLE head ({config.preset})", config.layer_id_convention)
-
-
-def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep the ``draft_vocab_size`` most frequent target ids (ties: lower id first).
-
-    Returns ``d2t`` [Vd] int64, the kept target ids in ascending order (draft id i is target id d2t[i]),
-    and ``t2d`` [V] bool, True where a target id is in the draft vocabulary. Ascending order makes the
-    draft id of a kept target id v equal to ``t2d[:v].sum()``.
-    """
-    counts = token_counts.reshape(-1).double()
-    n = min(int(draft_vocab_size), counts.numel())
-    if n < 1:
-        raise ValueError(f"draft_vocab_size must be >= 1, got {draft_vocab_size}")
-    kept = torch.sort(counts, descending=True, stable=True).indices[:n]
-    d2t = kept.sort().values.long()
-    t2d = torch.zeros(counts.numel(), dtype=torch.bool)
-    t2d[d2t] = True
-    return d2t, t2d
-
-
-def ttt_attention_mask(seq_len: int, step: int, device: torch.device | None = None) -> torch.Tensor:
-    """Mask [T, (step+1)·T] (True = attend) for TTT unroll step ``step``.
-
-    Keys are laid out block by block: block 0 holds step 0 (the real features) at anchors 0..T-1, block
-    i the head's own step-i outputs. A query at anchor t sees step-0 keys at anchors <= t (causal) and,
-    in every later block, only its own anchor t — the keys chain drafting from anchor t would have cached.
-    """
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
-    diagonal = torch.eye(seq_len, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [diagonal] * step, dim=1)
-
-
-def copy_final_norm(model: nn.Module, norm: LlamaRMSNorm) -> bool:
-    """Copy the target's final RMSNorm into ``norm`` if a Llama RMSNorm can reproduce it; False if not.
-
-    Llama-style norms multiply by w, Gemma-style by (1 + w): a probe finds which one the target uses.
-    Shared by every head that reads the target's pre-norm hidden states (EAGLE, Medusa).
-    """
-    final_norm = getattr(model.get_decoder(), "norm", None)
-    if final_norm is None or getattr(final_norm, "weight", None) is None:
-        return False
-    with torch.no_grad():
-        probe = torch.randn(4, norm.weight.shape[0], device=final_norm.weight.device)
-        expected = final_norm(probe.to(final_norm.weight.dtype)).float()
-        tol = 1e-4 if final_norm.weight.dtype == torch.float32 else 2e-2
-        reference = LlamaRMSNorm(norm.weight.shape[0], eps=norm.variance_epsilon).to(probe.device)
-        for weight in (final_norm.weight.float(), final_norm.weight.float() + 1):
-            reference.weight.copy_(weight)
-            if torch.allclose(reference(probe), expected, rtol=tol, atol=tol):
-                norm.weight.copy_(weight)
-                return True
-    return False
-
-
-def packed_segments(position_ids: torch.Tensor) -> torch.Tensor:
-    """[B, T] conversation index within each packed row: a new one starts wherever the position does
-    not follow on by one (the same rule transformers applies to packed ``position_ids``)."""
-    start = torch.ones_like(position_ids[:, :1], dtype=torch.bool)
-    return torch.cat([start, position_ids[:, 1:] != position_ids[:, :-1] + 1], dim=1).long().cumsum(-1)
-
-
-class WideInputLayer(nn.Module):
-    """EAGLE-3's first layer: a stock Llama decoder layer whose q/k/v read [norm_e(emb), norm_f(feature)] (2H)."""
-
-    def __init__(self, config: LlamaConfig, layer_idx: int, norm_before_residual: bool = False,
-                 feature_input_norm: bool = False):  # fmt: skip
-        super().__init__()
-        self.norm_before_residual, self.feature_input_norm = norm_before_residual, feature_input_norm
-        self.layer = LlamaDecoderLayer(config, layer_idx)
-        attn = self.layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj"):
-            old = getattr(attn, name)
-            setattr(
-                attn, name, nn.Linear(2 * config.hidden_size, old.out_features, bias=old.bias is not None)
-            )
-        self.feature_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, emb, feature, position_embeddings, attention_mask, cache) -> torch.Tensor:
-        normed = self.feature_norm(
-            self.layer.input_layernorm(feature) if self.feature_input_norm else feature
-        )
-        x = torch.cat([self.layer.input_layernorm(emb), normed], dim=-1)
-        attn, _ = self.layer.self_attn(
-            hidden_states=x,
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            cache=cache,
-        )
-        h = (normed if self.norm_before_residual else feature) + attn
-        return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
 
 
 @dataclass

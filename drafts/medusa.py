@@ -31,7 +31,7 @@ from draftsmith.decode.features import LAYER_ID_CONVENTION
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.tree import DraftTree, TreeBuilder, TreeSpec
 from draftsmith.drafts.base import DRAFT_KIND_KEY, MEDUSA, DraftKind, check_target, register
-from draftsmith.drafts.eagle import copy_final_norm
+from draftsmith.drafts.eagle_parts import copy_final_norm
 from draftsmith.drafts.engines import HF
 
 

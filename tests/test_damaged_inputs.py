@@ -13,7 +13,8 @@ import torch
 from tiny import tiny_model, tiny_target, tiny_tokenizer
 
 from draftsmith.cli import main
-from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
+from draftsmith.drafts.eagle import EagleConfig, EagleHead
+from draftsmith.drafts.eagle_parts import build_vocab_map
 
 PROMPTS = [{"question_id": 1, "category": "chat", "turns": ["Tell me about cats."]}]
 

@@ -14,8 +14,9 @@ from draftsmith.decode.features import LAYER_ID_CONVENTION, capture_layers
 from draftsmith.decode.sampling import Sampling
 from draftsmith.decode.speculative import generate
 from draftsmith.drafts.base import build_drafter
-from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map, check_target, ttt_attention_mask
+from draftsmith.drafts.eagle import EagleConfig, EagleHead, check_target
 from draftsmith.drafts.eagle_drafter import EagleDrafter
+from draftsmith.drafts.eagle_parts import build_vocab_map, ttt_attention_mask
 from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Teacher, decoding_walk_steps
 from draftsmith.train.objectives.eagle import EagleObjective

@@ -16,7 +16,8 @@ from draftsmith.cli import main
 from draftsmith.decode.features import capture_layers
 from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import distill
-from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
+from draftsmith.drafts.eagle import EagleConfig, EagleHead
+from draftsmith.drafts.eagle_parts import build_vocab_map
 from draftsmith.export import export_checkpoint
 from draftsmith.export.verify import ExportVerificationError, verify_export
 

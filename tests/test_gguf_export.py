@@ -165,7 +165,8 @@ def bpe_target(tmp_path_factory):
 
 
 def eagle3_head(target, directory, capture, draft_vocab):
-    from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
+    from draftsmith.drafts.eagle import EagleConfig, EagleHead
+    from draftsmith.drafts.eagle_parts import build_vocab_map
 
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(target, draft_vocab_size=draft_vocab, capture_layer_ids=capture))

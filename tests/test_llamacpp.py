@@ -18,8 +18,9 @@ from draftsmith import llamacpp
 from draftsmith.decode.speculative import generate
 from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import distill
-from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
+from draftsmith.drafts.eagle import EagleConfig, EagleHead
 from draftsmith.drafts.eagle_drafter import EagleDrafter
+from draftsmith.drafts.eagle_parts import build_vocab_map
 from draftsmith.eval.llamacpp_runs import SpeculativeRun
 from draftsmith.export import export_checkpoint
 from draftsmith.export import gguf as gguf_export

@@ -236,7 +236,8 @@ def test_eagle3_objective_trains_in_the_loop(tiny_target_dir, conversations, tmp
 def test_eagle3_continues_from_a_saved_head(tiny_target_dir, conversations, tmp_path):
     """draft.options.init_from: the second run starts from the first run's weights and vocabulary map
     (not from counts of its own data), trains them further, and refuses a head of another shape."""
-    from draftsmith.drafts.eagle import EagleHead, build_vocab_map
+    from draftsmith.drafts.eagle import EagleHead
+    from draftsmith.drafts.eagle_parts import build_vocab_map
 
     base = dict(max_steps="--trainer.max_steps=2", val="--trainer.val_k=2", lr="--optim.lr=1e-3")
     first = train(

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny import tiny_target
 
-from draftsmith.drafts.eagle import packed_segments
+from draftsmith.drafts.eagle_parts import packed_segments
 from draftsmith.train.objective import Batch
 from draftsmith.train.objectives.common import step_valid_masks
 from draftsmith.train.objectives.eagle import EagleObjective

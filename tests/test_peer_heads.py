@@ -26,8 +26,9 @@ from draftsmith.decode.speculative import generate
 from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import eagle_import
 from draftsmith.drafts.base import PEER_EAGLE3, build_drafter, kind_of_checkpoint
-from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
+from draftsmith.drafts.eagle import EagleConfig, EagleHead
 from draftsmith.drafts.eagle_import import HeadImportError, import_head
+from draftsmith.drafts.eagle_parts import build_vocab_map
 from draftsmith.export import export_checkpoint
 from draftsmith.export.eagle import reference_weights
 from draftsmith.export.speculators import speculators_config, speculators_weights

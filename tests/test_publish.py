@@ -19,7 +19,8 @@ from draftsmith.decode.speculative import generate
 from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import distill
 from draftsmith.drafts.base import build_drafter
-from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
+from draftsmith.drafts.eagle import EagleConfig, EagleHead
+from draftsmith.drafts.eagle_parts import build_vocab_map
 from draftsmith.publish.report import find_report
 
 TOKEN = "hf_sentinelTOKENnever0to1be2written"

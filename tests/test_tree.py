@@ -29,8 +29,9 @@ from draftsmith.decode.tree import (
 )
 from draftsmith.decode.tree_decode import compact_cache, generate_tree, tree_forward
 from draftsmith.drafts.base import build_drafter
-from draftsmith.drafts.eagle import EagleConfig, EagleHead, build_vocab_map
+from draftsmith.drafts.eagle import EagleConfig, EagleHead
 from draftsmith.drafts.eagle_drafter import EagleDrafter
+from draftsmith.drafts.eagle_parts import build_vocab_map
 from draftsmith.drafts.ngram import NgramDrafter
 
 PROMPT_LEN, NEW = 24, 40  # longer than the tiny models' sliding window (16)

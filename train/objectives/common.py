@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftsmith.drafts.eagle import packed_segments
+from draftsmith.drafts.eagle_parts import packed_segments
 from draftsmith.train.objective import Batch, Teacher
 
 

@@ -29,12 +29,8 @@ from torch import nn
 from draftsmith.decode.features import decoder_layers, resolve_layer_ids
 from draftsmith.decode.mirror import MirrorSettings
 from draftsmith.drafts.base import DRAFT_KIND_KEY, EAGLE1, EAGLE3, MIRROR
-from draftsmith.drafts.eagle import (
-    EagleConfig,
-    EagleHead,
-    build_vocab_map,
-    check_target,
-)
+from draftsmith.drafts.eagle import EagleConfig, EagleHead, check_target
+from draftsmith.drafts.eagle_parts import build_vocab_map
 from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.objectives.common import (
