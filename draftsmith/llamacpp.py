@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -56,6 +58,15 @@ def available(name: str = "llama-server") -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def _die_with_parent() -> None:
+    """In the server's process, before it runs: on Linux, have the kernel end it when the process that
+    started it dies, even by SIGKILL (a job killed mid-run must not leave llama-server's threads spinning)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _free_port() -> int:
@@ -109,7 +120,9 @@ class Server:
         out = open(self.log, "w") if self.log else subprocess.DEVNULL  # noqa: SIM115 (closed in __exit__)
         self._log_file = out if self.log else None
         env = {**os.environ, "LLAMA_TRACE": "1"} if self.log else None
-        self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        self._proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+        )
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
