@@ -1,120 +1,142 @@
-"""`draftsmith data regenerate` throughput: transformers' continuous batching against static batches.
+"""`draftsmith data regenerate` throughput, engine by engine, on the same prompts.
 
-Both modes answer the same single-turn prompts (the first user turns of the shipped training files,
-as `draftsmith data prompts` picks them), greedy, with the same conversations in flight, in one
-process: static batches (left-padded ``generate``, a batch runs until its longest reply ends) and
-continuous batching (a finished reply's row goes to the next prompt at once). Reports generated
-tokens/s and the ratio; replies are compared too (batching changes the arithmetic, so in low precision
-a few replies may differ after a near-tie). Prints a table, writes JSON.
+Every engine answers the same single-turn prompts (the first user turns of the shipped training files,
+as `draftsmith data prompts` picks them), greedy, at most --max-new-tokens each, with --batch-size
+conversations in flight, one engine at a time:
 
-    python bench/regenerate_throughput.py --count 256 --max-new-tokens 256 --batch-size 8 --dtype bfloat16
+- ``static``, ``continuous``: the target in this process through transformers (left-padded batches,
+  or transformers' continuous batching), in --dtype (``static`` is today's default on a CPU);
+- ``llamacpp:q4_1``, ``llamacpp:f32``, ``llamacpp:f16``: ``llama-server`` through the server path
+  (``--engine llamacpp``'s code: token ids in, one slot per conversation in flight, one thread per
+  core), on the bundled Q4_1 GGUF or a dequantized F32/F16 copy of it (server start-up not timed).
+
+A reference run (static, float32) answers the prompts first; each engine's replies are compared with
+it text for text. Prints a table, writes JSON.
+
+    python bench/regenerate_throughput.py --count 256 --max-new-tokens 128 --batch-size 8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
 
+from draftsmith import llamacpp
 from draftsmith.eval.report import hardware_description, write_json
-from draftsmith.loading import load_causal_lm
+from draftsmith.loading import load_causal_lm, resolve_model_path, smollm2_gguf_path
 from draftsmith.sources import BUILTIN_TRAIN
 from draftsmith.train.corpus.prompts import first_user_turns
 from draftsmith.train.corpus.regenerate import BATCHING, regenerate
+from draftsmith.train.corpus.served import CompletionServer, regenerate_served
+
+TARGET = "smollm2-135m-instruct"
+ENGINES = (*BATCHING[1:], "llamacpp:q4_1", "llamacpp:f32", "llamacpp:f16")
+
+
+def replies(path: Path) -> dict[str, str]:
+    return {
+        r["source_id"]: r["messages"][-1]["content"] for r in map(json.loads, path.read_text().splitlines())
+    }
+
+
+def gguf_for(name: str, work: Path) -> Path:
+    """The bundled Q4_1 GGUF, or an F32/F16 GGUF of its dequantized weights (written once into ``work``)."""
+    if name == "q4_1":
+        return smollm2_gguf_path()
+    from draftsmith.export.gguf import write_gguf  # the app's GGUF writer (tests check llama.cpp reads it)
+
+    path = work / f"target-{name}.gguf"
+    if not path.exists():
+        write_gguf(resolve_model_path(TARGET)[0], path, name, smollm2_gguf_path())
+    return path
+
+
+def run_transformers(mode: str, dtype: str, prompts: Path, out: Path, args) -> tuple[object, float, str]:
+    model, tokenizer, _ = load_causal_lm(TARGET, "cpu", dtype)
+    settings = dict(
+        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, progress=False, batching=mode
+    )
+    regenerate(model, tokenizer, [prompts], out.with_suffix(".warm"), limit=args.batch_size, **settings)
+    start = time.perf_counter()
+    stats = regenerate(model, tokenizer, [prompts], out, **settings)
+    return stats, time.perf_counter() - start, hardware_description(model.device, model.dtype)
+
+
+def run_llamacpp(quant: str, prompts: Path, out: Path, work: Path, args) -> tuple[object, float, str]:
+    from draftsmith.train.corpus.served import target_tokenizer
+
+    tokenizer, config, _ = target_tokenizer(TARGET)
+    gguf, slots, threads = gguf_for(quant, work), args.batch_size, os.cpu_count() or 1
+    context = args.context
+    with llamacpp.Server(gguf, ["-np", str(slots), "-c", str(slots * context)], threads=threads) as server:
+        servers = [CompletionServer(server.url)]
+        settings = dict(max_new_tokens=args.max_new_tokens, in_flight=slots, progress=False)
+        regenerate_served(tokenizer, [prompts], out.with_suffix(".warm"), servers, config.vocab_size,
+                          limit=args.batch_size, **settings)  # fmt: skip
+        start = time.perf_counter()
+        stats = regenerate_served(tokenizer, [prompts], out, servers, config.vocab_size, **settings)
+        seconds = time.perf_counter() - start
+    return stats, seconds, f"llama.cpp ({LLAMACPP}) {gguf.name}, {slots} slots, {threads} threads"
+
+
+LLAMACPP = f"llama-cpp-python {llamacpp.LLAMACPP_PY_VERSION} sdist"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--data", nargs="+", default=list(BUILTIN_TRAIN))
+    p.add_argument("--count", type=int, default=256, help="prompts answered by each engine")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8, help="conversations in flight, every engine")
     p.add_argument(
-        "--data",
-        nargs="+",
-        default=[
-            *BUILTIN_TRAIN,
-        ],
+        "--dtype", default="bfloat16", help="the transformers engines' dtype (the reference is float32)"
     )
-    p.add_argument("--count", type=int, default=256, help="prompts answered by each mode")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8, help="conversations in flight, both modes")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--modes", nargs="+", choices=BATCHING[1:], default=["static", "continuous"])
-    p.add_argument("--out", default="bench/results/regenerate_throughput.json")
+    p.add_argument("--context", type=int, default=2048, help="llama-server tokens per slot")
+    p.add_argument("--engines", nargs="+", choices=ENGINES, default=["static", "continuous", "llamacpp:q4_1", "llamacpp:f32"])  # fmt: skip
+    p.add_argument("--work", type=Path, default=None, help="where prompts, replies and GGUF copies go (default: a temp dir)")  # fmt: skip
+    p.add_argument("--out", default="bench/results/regenerate_engines.json")
     args = p.parse_args()
 
-    model, tokenizer, name = load_causal_lm(args.target, args.device, args.dtype)
-    work = Path(tempfile.mkdtemp(prefix="regen-bench-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="regen-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in first_user_turns(args.data, args.count)))
-    # warm-up: kernels, allocator and the continuous-batching manager's first start, untimed
-    for mode in args.modes:
-        regenerate(
-            model,
-            tokenizer,
-            [prompts],
-            work / f"warm-{mode}.jsonl",
-            max_new_tokens=8,
-            batch_size=args.batch_size,
-            limit=args.batch_size,
-            progress=False,
-            batching=mode,
-        )
+    reference = work / "reference-float32.jsonl"
+    if not reference.exists():
+        stats, seconds, _ = run_transformers("static", "float32", prompts, reference, args)
+        print(f"reference (static, float32): {stats.tokens} tokens in {seconds:.0f} s", flush=True)
+    expected = replies(reference)
 
-    rows, replies = [], {}
-    print(f"{'batching':<12}{'prompts':>8}{'tokens':>9}{'cut':>6}{'seconds':>9}{'tok/s':>9}", flush=True)
-    for mode in args.modes:
-        out = work / f"{mode}.jsonl"
-        start = time.perf_counter()
-        stats = regenerate(
-            model,
-            tokenizer,
-            [prompts],
-            out,
-            max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size,
-            progress=False,
-            batching=mode,
-        )
-        seconds = time.perf_counter() - start
-        replies[mode] = {
-            r["source_id"]: r["messages"][-1]["content"]
-            for r in map(json.loads, out.read_text().splitlines())
-        }
-        row = {
-            "batching": mode,
-            "prompts": stats.written,
-            "tokens": stats.tokens,
-            "truncated_replies": stats.truncated_replies,
-            "seconds": round(seconds, 2),
-            "tokens_per_s": round(stats.tokens / seconds, 2),
-        }
+    rows = []
+    print(f"{'engine':<16}{'replies':>8}{'tokens':>9}{'cut':>6}{'seconds':>9}{'replies/s':>10}{'tok/s':>9}{'same':>9}",
+          flush=True)  # fmt: skip
+    for engine in args.engines:
+        out = work / f"{engine.replace(':', '-')}.jsonl"
+        out.unlink(missing_ok=True)
+        if engine.startswith("llamacpp:"):
+            stats, seconds, where = run_llamacpp(engine.split(":")[1], prompts, out, work, args)
+        else:
+            stats, seconds, where = run_transformers(engine, args.dtype, prompts, out, args)
+        got = replies(out)
+        same = sum(expected.get(sid) == text for sid, text in got.items())
+        row = {"engine": engine, "where": where, "replies": stats.replies, "tokens": stats.tokens,
+               "truncated_replies": stats.truncated_replies, "seconds": round(seconds, 2),
+               "replies_per_s": round(stats.replies / seconds, 3), "tokens_per_s": round(stats.tokens / seconds, 2),
+               "same_as_float32_reference": f"{same}/{len(got)}"}  # fmt: skip
         rows.append(row)
-        print(
-            f"{mode:<12}{stats.written:>8}{stats.tokens:>9}{stats.truncated_replies:>6}{seconds:>9.1f}"
-            f"{row['tokens_per_s']:>9.1f}",
-            flush=True,
-        )
-    result = {
-        "target": name,
-        "hardware": hardware_description(model.device, model.dtype),
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "rows": rows,
-    }
-    if {"static", "continuous"} <= set(replies):
-        by = {r["batching"]: r for r in rows}
-        result["ratio_continuous_over_static"] = round(
-            by["continuous"]["tokens_per_s"] / by["static"]["tokens_per_s"], 3
-        )
-        same = sum(replies["static"][sid] == text for sid, text in replies["continuous"].items())
-        result["identical_replies"] = f"{same}/{len(replies['continuous'])}"
-        print(
-            f"\ncontinuous / static: {result['ratio_continuous_over_static']:.2f}x; identical replies "
-            f"{result['identical_replies']}"
-        )
-    print(result["hardware"])
-    write_json(args.out, result)
+        print(f"{engine:<16}{stats.replies:>8}{stats.tokens:>9}{stats.truncated_replies:>6}{seconds:>9.1f}"
+              f"{row['replies_per_s']:>10.2f}{row['tokens_per_s']:>9.1f}{row['same_as_float32_reference']:>9}",
+              flush=True)  # fmt: skip
+    by = {r["engine"]: r for r in rows}
+    if "static" in by:
+        for r in rows:
+            r["replies_per_s_over_static"] = round(r["replies_per_s"] / by["static"]["replies_per_s"], 3)
+    write_json(args.out, {"target": TARGET, "date": time.strftime("%Y-%m-%d"), "settings": {k: str(v) for k, v in vars(args).items()},
+                          "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":
