@@ -32,7 +32,7 @@ from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import build_drafter
 from draftsmith.drafts.base import EAGLE3, NGRAM
 from draftsmith.eval.harness import evaluate
-from draftsmith.eval.llamacpp_runs import SpeculativeRun
+from draftsmith.eval.llamacpp_runs import beside_alone, interleaved_runs
 from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.export import export_checkpoint
@@ -57,33 +57,20 @@ def exports(args) -> dict[str, Path]:
     return files
 
 
-def run_llamacpp(args, files, prompt_ids) -> dict[str, dict]:
+def run_llamacpp(args, files, prompt_ids) -> tuple[dict[str, dict], dict[str, list[list[int]]]]:
     drafts = [None, NGRAM, *(d for d in ("small", EAGLE3) if d in files)]
-    runs: list[SpeculativeRun] = []
-    work = Path(args.work)
-    try:
-        for target in args.targets:
-            for draft in drafts:
-                name = f"{target}:{draft or 'alone'}"
-                log = work / f"server-{name.replace(':', '-')}.log"
-                kind = "draft" if draft == "small" else draft
-                flags = llamacpp.speculative_args(kind, args.k, files.get(draft))
-                server = llamacpp.Server(files[target], flags, args.threads, log)
-                runs.append(SpeculativeRun(name, server.__enter__(), log))
-        for run in runs:  # untimed warm-up
-            run.complete(prompt_ids[0], min(32, args.max_new_tokens), timed=False)
-        for i, ids in enumerate(prompt_ids):
-            for run in runs:
-                run.complete(ids, args.max_new_tokens)
-            print(f"llama.cpp: prompt {i + 1}/{len(prompt_ids)}", flush=True)
-    finally:
-        for run in runs:
-            run.server.__exit__(None, None, None)
-    rows = {}
+    settings = {}
     for target in args.targets:
-        alone = next(r for r in runs if r.name == f"{target}:alone")
-        rows |= {r.name: r.summary(alone) for r in runs if r.name.startswith(f"{target}:")}
-    return rows, {r.name: r.outputs for r in runs}
+        for draft in drafts:
+            kind = "draft" if draft == "small" else draft
+            settings[f"{target}:{draft or 'alone'}"] = (
+                files[target],
+                llamacpp.speculative_args(kind, args.k, files.get(draft)),
+            )
+    runs = interleaved_runs(
+        settings, prompt_ids, args.max_new_tokens, Path(args.work), args.threads, progress=True
+    )
+    return beside_alone(runs), {r.name: r.outputs for r in runs}
 
 
 def run_draftsmith(args, prompts) -> tuple[dict[str, dict], list[list[int]]]:

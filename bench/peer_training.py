@@ -7,7 +7,8 @@ each peer keeps its own defaults otherwise (lr, optimizer, schedule, batching). 
   data     render draftsmith's builtin training data once with ``draftsmith.train.corpus`` (chat
            template, assistant loss mask, packed rows, the quickstart's held-out rows), take the rows
            draftsmith's sampler trains on first until --tokens, split them back into conversations and
-           write those in each peer's input layout (the peers pad or pack conversations themselves)
+           write those in each peer's input layout (the peers pad or pack conversations themselves;
+           train/peer_inputs.py)
   capture  the stand-in for SGLang's / vLLM's hidden-state capture, which do not run here: the target
            run by transformers over every conversation, written as SpecForge's ``.ckpt`` files and
            speculators' ``hs_{i}.safetensors`` (timed apart: it is not part of either peer's training)
@@ -49,52 +50,6 @@ STAGES = ("data", "capture", "train", "eval", "llamacpp")
 QUICKSTART_DATA = ("builtin:sharegpt_1000", "builtin:gsm8k_train", "builtin:gpteacher_codegen")
 
 
-# --------------------------------------------------------------------------- the token budget
-
-
-def sampler_order(num_rows: int, batch_size: int, seed: int, count: int) -> list[int]:
-    """The first ``count`` training rows draftsmith's loop takes (its ResumableSampler, epoch by epoch)."""
-    from draftsmith.train.sampler import ResumableSampler
-
-    sampler = ResumableSampler(num_rows, batch_size, seed=seed, rank=0, world_size=1)
-    order: list[int] = []
-    while len(order) < count:
-        order.extend(iter(sampler))
-        sampler.epoch += 1
-    return order[:count]
-
-
-def steps_for_budget(row_lengths: list[int], tokens: int, batch_size: int) -> int:
-    """Optimizer steps of ``batch_size`` rows (lengths in training order) until ``tokens`` are seen."""
-    if tokens < 1:
-        raise ValueError(f"--tokens must be positive, got {tokens}")
-    seen, rows = 0, 0
-    while seen < tokens:
-        if rows >= len(row_lengths):
-            raise ValueError(f"{len(row_lengths)} rows hold only {seen} tokens, fewer than {tokens}")
-        seen += row_lengths[rows]
-        rows += 1
-    return -(-rows // batch_size)
-
-
-def conversations_of(row: dict) -> list[dict[str, list[int]]]:
-    """A packed row split back into its conversations (``position_ids`` restart at 0 at each)."""
-    ids, mask = row["input_ids"], row["loss_mask"]
-    positions = row.get("position_ids") or list(range(len(ids)))
-    starts = [i for i, p in enumerate(positions) if p == 0] + [len(ids)]
-    if starts[0] != 0:
-        raise ValueError("a packed row must start a conversation at position 0")
-    return [{"input_ids": ids[a:b], "loss_mask": mask[a:b]} for a, b in zip(starts, starts[1:]) if b > a]
-
-
-def token_counts(convs: list[dict]) -> dict[str, int]:
-    return {
-        "positions": sum(len(c["input_ids"]) for c in convs),
-        "loss_tokens": sum(sum(c["loss_mask"]) for c in convs),
-        "conversations": len(convs),
-    }
-
-
 # --------------------------------------------------------------------------- stage: data
 
 
@@ -116,6 +71,7 @@ def render_rows(seed: int = 0):
 
 def stage_data(work: Path, tokens: int) -> dict:
     from draftsmith.loading import resolve_model_path
+    from draftsmith.train.peer_inputs import conversations_of, sampler_order, steps_for_budget, token_counts
 
     tokenizer, config, train_ds, heldout_ds = render_rows()
     t = config.trainer
@@ -184,113 +140,28 @@ def read_jsonl(path: Path) -> list[dict]:
 # --------------------------------------------------------------------------- stage: capture
 
 
-def capture_layers(num_layers: int) -> list[int]:
-    """The layers every run reads (0-based outputs): EAGLE-3's 1, L/2-1, L-4, as draftsmith and all three peers default."""
-    from draftsmith.drafts.eagle import default_eagle3_layers
-
-    return default_eagle3_layers(num_layers)
-
-
-def capture(model, input_ids: list[int], layers: list[int]):
-    """(aux [T, 3H], last [T, H] before the final norm, normed [T, H]) of the target on one conversation."""
-    import torch
-
-    outputs: dict[int, torch.Tensor] = {}
-    decoder = model.model
-    wanted = sorted(set(layers) | {len(decoder.layers) - 1})
-
-    def keep(index):
-        def hook(_module, _inputs, output):
-            outputs[index] = (output[0] if isinstance(output, tuple) else output)[0]
-
-        return hook
-
-    handles = [decoder.layers[i].register_forward_hook(keep(i)) for i in wanted]
-    handles.append(decoder.norm.register_forward_hook(keep(-1)))
-    try:
-        with torch.no_grad():
-            decoder(input_ids=torch.tensor([input_ids]), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    aux = torch.cat([outputs[i] for i in layers], dim=-1)
-    return aux, outputs[len(decoder.layers) - 1], outputs[-1]
-
-
-def specforge_record(conv: dict, aux, normed) -> dict:
-    """One SpecForge offline ``.ckpt`` record (its reader's keys; final hidden state after the norm)."""
-    import torch
-
-    return {
-        "input_ids": torch.tensor(conv["input_ids"], dtype=torch.long),
-        "loss_mask": torch.tensor(conv["loss_mask"], dtype=torch.long),
-        "hidden_state": normed.to(torch.bfloat16)[None],
-        "aux_hidden_state": aux.to(torch.bfloat16)[None],
-    }
-
-
-def speculators_record(conv: dict, aux, last) -> dict:
-    """One speculators ``hs_{i}.safetensors``: the three states, then the last layer's (before the norm)."""
-    import torch
-
-    T, H = last.shape
-    states = torch.cat([aux.reshape(T, -1, H), last[:, None]], dim=1)
-    return {
-        "hidden_states": states.to(torch.bfloat16).contiguous(),
-        "token_ids": torch.tensor(conv["input_ids"]),
-    }
-
-
-def write_speculators_index(
-    root: Path, train: list[dict], heldout: list[dict], assistant_counts: dict
-) -> None:
-    """speculators' preprocessed dataset (arrow: input_ids, loss_mask, seq_len; training conversations
-    first, then the held-out ones), ``split.json`` with the two counts, and ``token_freq.pt`` (assistant
-    token counts, what speculators counts)."""
-    import datasets
-    import torch
-
-    convs = train + heldout
-    dataset = datasets.Dataset.from_dict(
-        {
-            "input_ids": [c["input_ids"] for c in convs],
-            "loss_mask": [c["loss_mask"] for c in convs],
-            "seq_len": [len(c["input_ids"]) for c in convs],
-        }
-    )
-    dataset.set_format(type="torch")  # as speculators' preprocessing saves it
-    dataset.save_to_disk(str(root))
-    (root / "split.json").write_text(json.dumps({"train": len(train), "heldout": len(heldout)}))
-    torch.save(assistant_counts, root / "token_freq.pt")
-
-
 def stage_capture(work: Path) -> dict:
     """The stand-in capture: SpecForge's ``.ckpt`` files (train/, heldout/) and speculators' dataset."""
     import resource
 
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
+
+    from draftsmith.drafts.eagle import default_eagle3_layers
+    from draftsmith.train.peer_inputs import capture, write_peer_features
 
     with bench_lock() as waited:
         start, cpu0 = time.perf_counter(), _self_cpu()
         path = json.loads((work / "data" / "budget.json").read_text())["target_path"]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        layers = capture_layers(model.config.num_hidden_layers)
+        # the layers every run reads: EAGLE-3's 1, L/2-1, L-4, as draftsmith and all three peers default
+        layers = default_eagle3_layers(model.config.num_hidden_layers)
         train = read_jsonl(work / "data" / "train.jsonl")
         heldout = read_jsonl(work / "data" / "heldout.jsonl")
-        sf, sp = work / "specforge", work / "speculators"
-        (sp / "hidden_states").mkdir(parents=True, exist_ok=True)
-        for split, convs, offset in (("train", train, 0), ("heldout", heldout, len(train))):
-            (sf / split).mkdir(parents=True, exist_ok=True)
-            for i, conv in enumerate(convs):
-                aux, last, normed = capture(model, conv["input_ids"], layers)
-                torch.save(specforge_record(conv, aux, normed), sf / split / f"data_{i:06d}.ckpt")
-                save_file(
-                    speculators_record(conv, aux, last), sp / "hidden_states" / f"hs_{offset + i}.safetensors"
-                )
-        write_speculators_index(sp, train, heldout, read_vocab_counts(work)["assistant"])
-        positions = sum(len(c["input_ids"]) for c in train + heldout)
+        positions = write_peer_features(
+            train, heldout, lambda ids: capture(model, ids, layers), work / "specforge", work / "speculators",
+            read_vocab_counts(work)["assistant"],
+        )  # fmt: skip
         wall, cpu = time.perf_counter() - start, _self_cpu() - cpu0
     return {
         "layers": layers,
@@ -471,7 +342,7 @@ def stage_llamacpp(work: Path, results: dict, limit: int, max_new_tokens: int, k
 
     from draftsmith import llamacpp
     from draftsmith.drafts.base import EAGLE3
-    from draftsmith.eval.llamacpp_runs import SpeculativeRun
+    from draftsmith.eval.llamacpp_runs import beside_alone, interleaved_runs
     from draftsmith.eval.prompts import load_prompts, render
     from draftsmith.export.gguf import write_gguf
     from draftsmith.loading import resolve_model_path, smollm2_gguf_path
@@ -503,28 +374,10 @@ def stage_llamacpp(work: Path, results: dict, limit: int, max_new_tokens: int, k
     ]
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(TARGET)[0])
     prompt_ids = [render(tokenizer, [{"role": "user", "content": q.turns[0]}]).tolist() for q in prompts]
-    runs: list = []
+    settings = {f"{target}:{run or 'alone'}": (gguf, llamacpp.speculative_args(run and EAGLE3, k, files.get(run)))
+                for target, gguf in targets.items() for run in (None, *files)}  # fmt: skip
     with bench_lock() as waited:
-        try:
-            for target, gguf in targets.items():
-                for run in (None, *files):
-                    name = f"{target}:{run or 'alone'}"
-                    log = folder / f"server-{name.replace(':', '-')}.log"
-                    flags = llamacpp.speculative_args(run and EAGLE3, k, files.get(run))
-                    server = llamacpp.Server(gguf, flags, log=log)
-                    runs.append(SpeculativeRun(name, server.__enter__(), log))
-            for run in runs:  # untimed warm-up
-                run.complete(prompt_ids[0], min(32, max_new_tokens), timed=False)
-            for ids in prompt_ids:
-                for run in runs:
-                    run.complete(ids, max_new_tokens)
-        finally:
-            for run in runs:
-                run.server.__exit__(None, None, None)
-    rows = {}
-    for target in targets:
-        alone = next(r for r in runs if r.name == f"{target}:alone")
-        rows |= {r.name: r.summary(alone) for r in runs if r.name.startswith(f"{target}:")}
+        rows = beside_alone(interleaved_runs(settings, prompt_ids, max_new_tokens, folder))
     return {"k": k, "prompts": len(prompt_ids), "max_new_tokens": max_new_tokens, "lock_wait_s": waited,
             "llamacpp": f"llama-cpp-python {llamacpp.LLAMACPP_PY_VERSION} sdist", "exports": exported, "rows": rows}  # fmt: skip
 
@@ -573,33 +426,6 @@ def print_table(budget: dict, capture_rec: dict | None, results: dict) -> None:
               f"{num('cpu_s'):>8} {num('tokens_per_wall_s'):>7} {num('tokens_per_cpu_s'):>9} "
               f"{num('steady_tokens_per_wall_s'):>12} {num('steady_tokens_per_cpu_s'):>16} "
               f"{num('peak_rss_mb'):>8}  {held_text}")  # fmt: skip
-
-
-def print_judged(record: dict) -> None:
-    """Each head as ``draftsmith eval`` (k = 5, k auto) and llama.cpp (Q4_1 and F32 target, k = 5) judged it."""
-    heads = {}
-    for k, ev in (record.get("eval") or {}).items():
-        report = ev.get("report") if isinstance(ev, dict) else None
-        for run, head in (ev.get("heads") or {}).items() if report else ():
-            row = next((d for d in report["drafts"] if d["name"] == str(head)), None)
-            if row:
-                heads.setdefault(run, {})[k] = row
-    llama = (record.get("llamacpp") or {}).get("rows") or {}
-    if not heads and not llama:
-        return
-    print(f"\n{'head':<12} {'τ k5':>5} {'speedup':>7} {'bound':>6} {'τ auto':>6} {'speedup':>7}  "
-          f"{'acceptance by position (k5)':<30} {'llama.cpp τ q4_1':>16} {'f32':>5} {'speedup q4_1':>12}")  # fmt: skip
-    for run in dict.fromkeys([*heads, *(n.split(":")[1] for n in llama if not n.endswith(":alone"))]):
-        five, auto = heads.get(run, {}).get("5", {}), heads.get(run, {}).get("auto", {})
-        q4, f32 = llama.get(f"q4_1:{run}", {}), llama.get(f"f32:{run}", {})
-
-        def f(row, key, spec=".2f"):
-            return format(row[key], spec) if isinstance(row.get(key), (int, float)) else "-"
-
-        positions = " ".join("-" if a is None else format(a, ".2f") for a in five.get("per_position") or [])
-        print(f"{run:<12} {f(five, 'tau'):>5} {f(five, 'speedup'):>7} {f(five, 'speedup_bound'):>6} "
-              f"{f(auto, 'tau'):>6} {f(auto, 'speedup'):>7}  {positions:<30} {f(q4, 'tau'):>16} "
-              f"{f(f32, 'tau'):>5} {f(q4, 'speedup'):>12}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -656,8 +482,10 @@ def main(argv: list[str] | None = None) -> int:
             work, record.get("train", {}), args.eval_limit, args.max_new_tokens
         )
     save()
+    from draftsmith.eval.llamacpp_runs import print_judged
+
     print_table(budget, record.get("capture"), record.get("train", {}))
-    print_judged(record)
+    print_judged(record.get("eval") or {}, (record.get("llamacpp") or {}).get("rows") or {})
     print(f"\nwrote {args.out}")
     return 0
 

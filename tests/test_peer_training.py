@@ -1,4 +1,5 @@
-"""bench/peer_training.py's pure parts: the token budget, the conversations, each peer's input layout.
+"""bench/peer_training.py's pure parts and train/peer_inputs.py: the token budget, the conversations, each
+peer's input layout.
 
 The layouts are read back by the peers' own readers where their venvs exist (``bash
 scripts/install_peers.sh``); without them those tests skip and the rest runs on draftsmith alone.
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.train import peer_inputs
+
 REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("peer_training", REPO / "bench" / "peer_training.py")
 peer_training = importlib.util.module_from_spec(spec)
@@ -27,14 +30,14 @@ H = 8  # hidden size of the fake captures
 
 def test_steps_for_budget_rounds_up_to_whole_batches():
     lengths = [500] * 10
-    assert peer_training.steps_for_budget(lengths, 1500, batch_size=4) == 1  # 3 rows
-    assert peer_training.steps_for_budget(lengths, 1501, batch_size=4) == 1  # 4 rows
-    assert peer_training.steps_for_budget(lengths, 2001, batch_size=4) == 2  # 5 rows
-    assert peer_training.steps_for_budget(lengths, 5000, batch_size=2) == 5
+    assert peer_inputs.steps_for_budget(lengths, 1500, batch_size=4) == 1  # 3 rows
+    assert peer_inputs.steps_for_budget(lengths, 1501, batch_size=4) == 1  # 4 rows
+    assert peer_inputs.steps_for_budget(lengths, 2001, batch_size=4) == 2  # 5 rows
+    assert peer_inputs.steps_for_budget(lengths, 5000, batch_size=2) == 5
     with pytest.raises(ValueError, match="fewer than"):
-        peer_training.steps_for_budget(lengths, 5001, batch_size=4)
+        peer_inputs.steps_for_budget(lengths, 5001, batch_size=4)
     with pytest.raises(ValueError, match="positive"):
-        peer_training.steps_for_budget(lengths, 0, batch_size=4)
+        peer_inputs.steps_for_budget(lengths, 0, batch_size=4)
 
 
 def test_sampler_order_is_the_training_loops_order_across_epochs():
@@ -44,7 +47,7 @@ def test_sampler_order_is_the_training_loops_order_across_epochs():
     first = list(iter(sampler))  # 8 rows: whole batches only
     sampler.epoch = 1
     second = list(iter(sampler))
-    assert peer_training.sampler_order(10, 4, seed=3, count=12) == first + second[:4]
+    assert peer_inputs.sampler_order(10, 4, seed=3, count=12) == first + second[:4]
     assert len(set(first)) == 8
 
 
@@ -54,17 +57,17 @@ def test_conversations_of_splits_packed_rows_where_positions_restart():
         "loss_mask": [0, 1, 1, 0, 0, 1],
         "position_ids": [0, 1, 2, 0, 1, 2],
     }
-    convs = peer_training.conversations_of(row)
+    convs = peer_inputs.conversations_of(row)
     assert convs == [
         {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
         {"input_ids": [4, 5, 6], "loss_mask": [0, 0, 1]},
     ]
-    assert peer_training.token_counts(convs) == {"positions": 6, "loss_tokens": 3, "conversations": 2}
-    assert peer_training.conversations_of({"input_ids": [7, 8], "loss_mask": [1, 1]}) == [
+    assert peer_inputs.token_counts(convs) == {"positions": 6, "loss_tokens": 3, "conversations": 2}
+    assert peer_inputs.conversations_of({"input_ids": [7, 8], "loss_mask": [1, 1]}) == [
         {"input_ids": [7, 8], "loss_mask": [1, 1]}
     ]
     with pytest.raises(ValueError, match="position 0"):
-        peer_training.conversations_of({"input_ids": [1, 2], "loss_mask": [0, 1], "position_ids": [3, 4]})
+        peer_inputs.conversations_of({"input_ids": [1, 2], "loss_mask": [0, 1], "position_ids": [3, 4]})
 
 
 def test_throughput_counts_steady_state_between_step_marks():
@@ -96,14 +99,14 @@ def test_specforge_and_speculators_records_hold_the_capture(tmp_path):
 
     conv = {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]}
     aux, last, normed = fake_capture(4)
-    torch.save(peer_training.specforge_record(conv, aux, normed), tmp_path / "data_000000.ckpt")
+    torch.save(peer_inputs.specforge_record(conv, aux, normed), tmp_path / "data_000000.ckpt")
     back = torch.load(tmp_path / "data_000000.ckpt", weights_only=True)
     assert set(back) == {"input_ids", "loss_mask", "hidden_state", "aux_hidden_state"}
     assert back["input_ids"].tolist() == conv["input_ids"] and back["loss_mask"].tolist() == conv["loss_mask"]
     assert back["aux_hidden_state"].shape == (1, 4, 3 * H) and back["hidden_state"].shape == (1, 4, H)
     assert torch.equal(back["hidden_state"][0], normed.to(torch.bfloat16))
 
-    save_file(peer_training.speculators_record(conv, aux, last), tmp_path / "hs_0.safetensors")
+    save_file(peer_inputs.speculators_record(conv, aux, last), tmp_path / "hs_0.safetensors")
     hs = load_file(tmp_path / "hs_0.safetensors")
     assert hs["token_ids"].tolist() == conv["input_ids"] and hs["hidden_states"].shape == (4, 4, H)
     # what speculators' ArrowDataset reads out of it
@@ -123,19 +126,15 @@ def write_layouts(work: Path) -> tuple[list[dict], list[dict]]:
     peer_training.write_jsonl(work / "data" / "heldout.jsonl", heldout)
     counts = {"all": {3: 3, 4: 1, 5: 1, 6: 1, 7: 1, 9: 2}, "assistant": {4: 1, 5: 1, 6: 1, 7: 1, 9: 1}}
     (work / "data" / "vocab_counts.json").write_text(json.dumps(counts))
-    (work / "speculators" / "hidden_states").mkdir(parents=True)
-    for split, convs, offset in (("train", train, 0), ("heldout", heldout, len(train))):
-        (work / "specforge" / split).mkdir(parents=True)
-        for i, conv in enumerate(convs):
-            from safetensors.torch import save_file
-
-            aux, last, normed = fake_capture(len(conv["input_ids"]))
-            torch.save(
-                peer_training.specforge_record(conv, aux, normed),
-                work / "specforge" / split / f"data_{i:06d}.ckpt",
-            )
-            save_file(peer_training.speculators_record(conv, aux, last), work / "speculators" / "hidden_states" / f"hs_{offset + i}.safetensors")  # fmt: skip
-    peer_training.write_speculators_index(work / "speculators", train, heldout, peer_training.read_vocab_counts(work)["assistant"])  # fmt: skip
+    assistant = peer_training.read_vocab_counts(work)["assistant"]
+    peer_inputs.write_peer_features(
+        train,
+        heldout,
+        lambda ids: fake_capture(len(ids)),
+        work / "specforge",
+        work / "speculators",
+        assistant,
+    )
     return train, heldout
 
 
