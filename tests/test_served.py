@@ -237,3 +237,13 @@ def test_llamacpp_engine_without_a_build_names_the_install_command(
                  "--engine", "llamacpp"]) == 2  # fmt: skip
     assert "--engine llamacpp serves a GGUF" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_time_budget_starts_no_conversation_after_it_and_a_rerun_goes_on(target, server, data, tmp_path):
+    out = tmp_path / "out.jsonl"
+    stats = served(target, data, out, [server.url], max_seconds=0)
+    assert stats.written == 0 and stats.left_for_later == 6 and server.completions == 0
+    stats = served(target, data, out, [server.url])
+    assert stats.written == 6 and [r["source_id"] for r in lines(out)] == [
+        f"train.jsonl:{i}" for i in range(6)
+    ]

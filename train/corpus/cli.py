@@ -340,10 +340,6 @@ def run_regenerate(args: argparse.Namespace) -> int:
             generator=generator,
         )
     else:
-        if args.max_minutes is not None:
-            raise ValueError(
-                "--max-minutes is the transformers engine's; stop a server job with Ctrl-C and rerun"
-            )
         from draftsmith.train.corpus.served import run_served
 
         stats, name = run_served(args, engine, shard)

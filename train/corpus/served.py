@@ -197,6 +197,7 @@ def regenerate_served(
     generator: dict | None = None,
     progress: bool = True,
     resume_hint: str = "run the same command again",
+    max_seconds: float | None = None,
 ) -> RegenerateStats:
     """Rewrite the assistant turns of the conversations in ``paths`` with replies from ``servers``; append
     to ``out`` in input order.
@@ -204,6 +205,7 @@ def regenerate_served(
     ``in_flight``: requests at once per server. ``shard=(i, n)``: only conversations whose index in the
     input is i modulo n (so n jobs write disjoint files). ``generator`` (engine, weights, ...) is written
     into every record. ``max_prompt_tokens`` defaults to the smallest server context less max_new_tokens.
+    ``max_seconds``: start no conversation after this long (those in flight finish); a rerun goes on.
     """
     if not servers:
         raise ValueError("no server given")
@@ -229,11 +231,16 @@ def regenerate_served(
     finished: dict[int, Dialogue] = {}
     failure: list[BaseException] = []
     next_index = iter(range(len(todo)))
+    deadline = None if max_seconds is None else time.perf_counter() + max_seconds
 
     def work(server: CompletionServer) -> None:
         while not failure:
             with lock:
-                i = next(next_index, None)
+                i = (
+                    None
+                    if deadline is not None and time.perf_counter() > deadline
+                    else next(next_index, None)
+                )
             if i is None:
                 return
             dialogue = todo[i]
@@ -366,5 +373,6 @@ def run_served(args, engine: str, shard: tuple[int, int] | None) -> tuple[Regene
             max_new_tokens=args.max_new_tokens, in_flight=args.batch_size, temperature=args.temperature,
             limit=args.limit, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, shard=shard,
             generator=generator, resume_hint=resume,
+            max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
         )  # fmt: skip
     return stats, name
