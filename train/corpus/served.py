@@ -21,6 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,7 +248,10 @@ def regenerate_served(
             turn = 0
             try:
                 while (ids := dialogue.next_ids(tokenizer, max_prompt_tokens)) is not None:
-                    reply = server.complete(ids, max_new_tokens, temperature, seed + 1_000_003 * i + turn)
+                    request_seed = (
+                        seed + zlib.crc32(dialogue.source_id.encode()) + turn
+                    )  # the same on a rerun
+                    reply = server.complete(ids, max_new_tokens, temperature, request_seed)
                     dialogue.answer(reply.text, reply.finished)
                     turn += 1
                     with lock:
