@@ -6,7 +6,7 @@ Stages, in one process, on the bundled target in bf16, each fitted into ``--minu
   data    prompts: the first user turns of the shipped training files plus ``data synthesize``'s
           Magpie-style requests written by the target; answers: ``data regenerate`` with transformers'
           continuous batching (finished rows refilled at once), stopped at ``--data-minutes``.
-          Replies cut at ``--max-new-tokens`` are flagged, and training leaves them out.
+          Replies cut at ``--max-new-tokens`` are flagged; training learns no end of turn after them.
   train   configs/smollm2_eagle3.yaml online on those answers for the minutes left (steps fitted to the
           measured step time: ``train.speed.fit_and_train``), with an 8,192-row draft vocabulary; the head
           comes back packed (no embedding, bf16) as ``head-*.safetensors`` plus ``meta.tar``.
@@ -134,11 +134,11 @@ def stage_data(args, model, tokenizer, work: Path) -> dict:
             "in_flight": args.regen_batch,
             "max_new_tokens": args.max_new_tokens,
         },
-        "usable_conversations": regen.written - _flagged(regenerated),
+        "conversations_with_a_cut_reply": _flagged(regenerated),
     }
     log(
         f"regenerated {regen.written} conversations, {regen.tokens} tokens in {seconds:.0f} s "
-        f"({regen.tokens / seconds:.0f} tok/s), {regen.truncated_replies} replies cut (left out of training)"
+        f"({regen.tokens / seconds:.0f} tok/s), {regen.truncated_replies} replies cut at the token budget"
     )
     return result
 

@@ -80,7 +80,7 @@ def test_every_shape_loads_into_messages(tmp_path):
         ],
     )
     ds = load_conversations([sharegpt, listed, mixed])
-    assert ds.column_names == ["messages"]
+    assert ds.column_names == ["messages", "cut_replies"] and not any(ds["cut_replies"])
     assert ds["messages"] == [
         [
             {"role": "system", "content": "sys"},
@@ -203,6 +203,40 @@ def test_mask_with_real_smollm2_tokenizer():
     rendered = render([Q1, A1], tokenizer, 10_000)
     unmasked = tokenizer.decode([t for t, m in zip(rendered["input_ids"], rendered["loss_mask"]) if not m])
     assert "SmolLM" in unmasked and A1["content"] not in unmasked
+
+
+def test_a_cut_reply_is_learned_without_the_end_of_turn_the_template_gave_it():
+    """A reply cut at max_new_tokens: its content is a target, the <|im_end|> after it is context only."""
+    tok = tiny_tokenizer()
+    whole = render([Q1, A1, Q2, A2], tok, 10_000)
+    for cut, expected in (
+        ([1], [A1["content"], A2["content"] + "<|im_end|>"]),
+        ([3], [A1["content"] + "<|im_end|>", A2["content"]]),
+        ([1, 3], [A1["content"], A2["content"]]),
+    ):
+        rendered = render([Q1, A1, Q2, A2], tok, 10_000, cut_replies=cut)
+        assert rendered["input_ids"] == whole["input_ids"]  # the context the later turns saw is unchanged
+        assert [tok.decode(run) for run in masked_runs(rendered)] == expected
+
+
+def test_cut_replies_load_with_their_indices_and_an_unclear_old_record_is_skipped(tmp_path, caplog):
+    reply = {"source_id": "a:0", "messages": [Q1, A1]}
+    cut = {**reply, "source_id": "a:1", "truncated_replies": 1, "cut_replies": [1]}
+    old_single = {**reply, "source_id": "a:2", "truncated_replies": 1}  # one reply: it is the cut one
+    old_all = {"source_id": "a:3", "messages": [Q1, A1, Q2, A2], "truncated_replies": 2}
+    old_unclear = {"source_id": "a:4", "messages": [Q1, A1, Q2, A2], "truncated_replies": 1}
+    path = write_jsonl(tmp_path / "regen.jsonl", [reply, cut, old_single, old_all, old_unclear])
+    with caplog.at_level(logging.WARNING):
+        ds = load_conversations([path])
+    assert ds["cut_replies"] == [[], [1], [1], [1, 3]]
+    assert "skipped 1 conversations flagged truncated_replies with no cut_replies list" in caplog.text
+    rows = build_dataset([path], tok := tiny_tokenizer(), 10_000)
+    ends = sorted(sum(t == tok.convert_tokens_to_ids("<|im_end|>") and m for t, m in zip(r["input_ids"], r["loss_mask"]))
+                  for r in rows)  # fmt: skip
+    assert ends == [0, 0, 0, 1]  # only the uncut reply learns to stop
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{**cut, "cut_replies": [0]}])
+    with pytest.raises(ValueError, match=r"a:1: cut_replies \[0\] must name assistant messages"):
+        load_conversations([bad])
 
 
 def test_truncation_keeps_mask_aligned():

@@ -10,7 +10,6 @@ from tiny import tiny_model, tiny_tokenizer
 
 from draftsmith.cli import build_parser, main
 from draftsmith.loading import load_causal_lm
-from draftsmith.train.corpus.conversations import load_conversations
 from draftsmith.train.corpus.prompts import read_done
 from draftsmith.train.corpus.regenerate import regenerate
 from draftsmith.train.corpus.tokens import chat_text
@@ -100,27 +99,14 @@ def test_replies_are_the_targets_own(target, data, tmp_path, batching):
     cut["train.jsonl:5"] = not (first_ended and second_ended)
     assert stats.replies == 7
     assert len({records[f"train.jsonl:{i}"]["messages"][1]["content"] for i in range(5)} - {""}) > 1
-    # a reply that ran to max_new_tokens is flagged, and only those
+    # a reply that ran to max_new_tokens is flagged, and only those, by its message index
     assert {sid: bool(r.get("truncated_replies")) for sid, r in records.items()} == cut
+    expected = {f"train.jsonl:{i}": [1] if cut[f"train.jsonl:{i}"] else [] for i in range(5)}
+    expected["train.jsonl:5"] = [i for i, ended in ((1, first_ended), (3, second_ended)) if not ended]
+    assert {sid: r.get("cut_replies", []) for sid, r in records.items()} == expected
     assert stats.truncated_replies == sum(not e for e in (first_ended, second_ended)) + sum(
         cut[f"train.jsonl:{i}"] for i in range(5)
     )
-
-
-def test_training_leaves_out_flagged_replies(tmp_path, caplog):
-    out = tmp_path / "regen.jsonl"
-    kept = {
-        "source_id": "a:0",
-        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
-    }
-    flagged = {**kept, "source_id": "a:1", "truncated_replies": 1}
-    out.write_text(json.dumps(kept) + "\n" + json.dumps(flagged) + "\n")
-    with caplog.at_level("WARNING"):
-        assert len(load_conversations([out])) == 1
-    assert "skipped 1 conversations with a reply cut at max_new_tokens" in caplog.text
-    out.write_text(json.dumps(flagged) + "\n")
-    with pytest.raises(ValueError, match="no usable conversations"):
-        load_conversations([out])
 
 
 def test_resume_skips_done_records_and_appends(target, data, tmp_path):

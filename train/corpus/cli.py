@@ -345,8 +345,8 @@ def run_regenerate(args: argparse.Namespace) -> int:
         stats, name = run_served(args, engine, shard)
     print(
         f"{name}: wrote {stats.written} conversations to {args.out} ({stats.already_done} were already there); "
-        f"{stats.replies} replies ({stats.tokens} tokens), {stats.truncated_replies} hit --max-new-tokens (flagged; training leaves "
-        "them out), "
+        f"{stats.replies} replies ({stats.tokens} tokens), {stats.truncated_replies} hit --max-new-tokens (flagged; training learns "
+        "no end of turn after them), "
         f"{stats.cut_conversations} conversations stopped at --max-prompt-tokens"
         + (f"; {stats.left_for_later} left for a rerun (--max-minutes)" if stats.left_for_later else "")
     )

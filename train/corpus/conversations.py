@@ -39,7 +39,10 @@ SHAPES = (
     '{"instruction": ..., "input": ... (optional), "response" or "output": ...}',
 )
 MESSAGES_FEATURES = datasets.Features(
-    {"messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})}
+    {
+        "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+        "cut_replies": datasets.List(datasets.Value("int32")),  # assistant messages cut at max_new_tokens
+    }
 )
 
 
@@ -204,38 +207,61 @@ def shape_of_columns(columns: Sequence[str]) -> str | None:
 
 def load_conversations(paths: Sequence[str | Path]) -> datasets.Dataset:
     """Load conversation sources (JSON/JSONL files or patterns of them, ``builtin:`` names, ``hf:`` datasets) into a Dataset
-    with one column ``messages``.
+    with columns ``messages`` and ``cut_replies``.
 
-    Each record may be in any shape of ``SHAPES`` (told per record). Skipped, and counted in the log:
-    records with no messages left after dropping leading assistant turns (see ``iter_conversations``),
-    and records ``data regenerate`` flagged with ``truncated_replies`` (a reply cut at max_new_tokens
-    ends where the target never ended it; trained on, it teaches the draft an ending that never comes).
+    Each record may be in any shape of ``SHAPES`` (told per record). ``cut_replies`` lists the assistant
+    messages ``data regenerate`` cut at max_new_tokens (indices into ``messages``): the reply is the target's
+    own, the end of turn after it is not, and ``tokens.render`` learns the one and not the other. A record
+    from before the list was written has only the count ``truncated_replies``; it is kept when the count
+    says which replies were cut (all of them), else skipped and counted in the log. Skipped too: records
+    with no messages left after dropping leading assistant turns (see ``iter_conversations``).
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
     if not paths:
         raise ValueError("no data given; pass at least one JSON/JSONL file, builtin: name or hf: dataset")
     paths = expand_sources(paths)  # a pattern (the shards of a sharded regeneration) names its files
-    rows, empty, cut = [], 0, 0
+    rows, empty, unclear = [], 0, 0
     for path in paths:
         for _, messages, record in _iter_records(path):
+            cut = _cut_replies(messages, record)
             if not messages:
                 empty += 1
-            elif record.get("truncated_replies"):
-                cut += 1
+            elif cut is None:
+                unclear += 1
             else:
-                rows.append({"messages": messages})
+                rows.append({"messages": messages, "cut_replies": cut})
     if empty:
         logger.warning("skipped %d conversations that held only assistant turns", empty)
-    if cut:
+    if unclear:
         logger.warning(
-            "skipped %d conversations with a reply cut at max_new_tokens (flagged truncated_replies by "
-            "`draftsmith data regenerate`; regenerate with a larger --max-new-tokens to keep them)",
-            cut,
+            "skipped %d conversations flagged truncated_replies with no cut_replies list, so which reply was cut "
+            "at max_new_tokens is not known (written by an older `draftsmith data regenerate`; rerun it into a "
+            "new file to keep them)",
+            unclear,
         )
     if not rows:
         raise ValueError(f"no usable conversations in {', '.join(map(str, paths))} (see the warnings above)")
     return datasets.Dataset.from_list(rows, features=MESSAGES_FEATURES)
+
+
+def _cut_replies(messages: list[Message], record: object) -> list[int] | None:
+    """Indices into ``messages`` of the replies cut at max_new_tokens; None when the record does not say which."""
+    if not isinstance(record, dict) or not record.get("truncated_replies"):
+        return []
+    # leading assistant turns dropped by _iter_records (regenerated data has none)
+    dropped = len(record.get("messages", ())) - len(messages)
+    listed = record.get("cut_replies")
+    if listed is not None:
+        cut = [i - dropped for i in listed]
+        if not all(0 <= i < len(messages) and messages[i]["role"] == "assistant" for i in cut):
+            raise ValueError(
+                f"record {record.get('source_id', '?')}: cut_replies {listed} must name assistant messages (indices "
+                f"into its {len(record['messages'])} messages); fix the list or drop the record"
+            )
+        return cut
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return replies if record["truncated_replies"] == len(replies) else None
 
 
 def _shapes() -> str:

@@ -9,8 +9,9 @@ or ``"static"``); the default, ``"auto"``, is continuous on an accelerator and s
 the library's paged attention (without a flash kernel it attends over every request's keys, masked)
 measured slower than padding (BENCHMARKS.md).
 
-A reply that hits ``max_new_tokens`` is flagged (``truncated_replies``): its end-of-turn token was never
-the target's, so training leaves such conversations out (``conversations.load_conversations``).
+A reply that hits ``max_new_tokens`` is flagged: ``truncated_replies`` counts them and ``cut_replies`` lists
+their message indices. Every token of such a reply is the target's own, but the end of turn the chat template
+puts after it never was, so training learns the reply and not that ending (``tokens.render``).
 
 The output is JSONL in the ``messages`` shape with a ``source_id`` ("file name:record index"). Records
 are appended and flushed one by one, so a rerun skips what is there and a killed run loses at most the
@@ -69,7 +70,7 @@ class Dialogue:
         self.pos = 0
         self.out: list[Message] = []
         self.done = False
-        self.truncated = 0
+        self.cut_replies: list[int] = []
         self.cut = False
 
     def next_prompt(self) -> list[Message] | None:
@@ -87,8 +88,9 @@ class Dialogue:
         return self.out if self.out and self.out[-1]["role"] == "user" else None
 
     def answer(self, reply: str, finished: bool) -> None:
+        if not finished:
+            self.cut_replies.append(len(self.out))
         self.out.append({"role": "assistant", "content": reply})
-        self.truncated += not finished
 
     def next_ids(self, tokenizer, max_prompt_tokens: int | None) -> list[int] | None:
         """The token ids of the next prompt (rendered with the chat template, generation prompt added), or
@@ -111,8 +113,9 @@ class Dialogue:
     def record(self, generator: dict | None = None) -> dict:
         """The output line: the conversation, its flags, and what wrote the replies (``generator``)."""
         rec: dict = {"source_id": self.source_id, "messages": self.out}
-        if self.truncated:
-            rec["truncated_replies"] = self.truncated
+        if self.cut_replies:
+            rec["truncated_replies"] = len(self.cut_replies)
+            rec["cut_replies"] = self.cut_replies
         if self.cut:
             rec["prompt_too_long"] = True
         if generator:

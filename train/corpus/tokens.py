@@ -23,13 +23,17 @@ from draftsmith.train.objective import Batch
 logger = logging.getLogger(__name__)
 
 
-def render(messages: Sequence[Message], tokenizer, max_length: int) -> dict[str, list[int]]:
+def render(
+    messages: Sequence[Message], tokenizer, max_length: int, cut_replies: Sequence[int] = ()
+) -> dict[str, list[int]]:
     """Tokenize one conversation with the tokenizer's chat template; mask = assistant content + end of turn.
 
     For assistant message i, the template's text for ``messages[:i]`` with the generation prompt is where
     the reply starts, and its text for ``messages[:i + 1]`` is where the turn ends; the content is
     located inside that span, and the token right after it is masked too when it is a special token
-    (``<|im_end|>``, ``<|eot_id|>``, ``</s>``: the draft must learn to stop). Truncated to max_length.
+    (``<|im_end|>``, ``<|eot_id|>``, ``</s>``: the draft must learn to stop) — except after the replies in
+    ``cut_replies``, which were cut at a token budget: the template closes them, the target never did.
+    Truncated to max_length.
     """
     check_chat_template(tokenizer)
     if not messages:
@@ -72,7 +76,8 @@ def render(messages: Sequence[Message], tokenizer, max_length: int) -> dict[str,
             if offsets[j][1] > start:
                 loss_mask[j] = 1
             j += 1
-        if j < len(input_ids) and input_ids[j] in special and offsets[j][0] < len(through):
+        ends_turn = j < len(input_ids) and input_ids[j] in special and offsets[j][0] < len(through)
+        if ends_turn and i not in cut_replies:
             loss_mask[j] = 1
     return {"input_ids": input_ids, "loss_mask": loss_mask}
 
@@ -110,8 +115,8 @@ def build_dataset(
         convs = convs.select(range(min(limit, len(convs))))
     key = f"{convs._fingerprint}|{tokenizer_fingerprint(tokenizer)}|{max_length}"
     rendered = convs.map(
-        lambda row: render(row["messages"], tokenizer, max_length),
-        remove_columns=["messages"],
+        lambda row: render(row["messages"], tokenizer, max_length, row["cut_replies"]),
+        remove_columns=["messages", "cut_replies"],
         desc="render + mask",
         num_proc=1,
         new_fingerprint=_hash("render", key),
