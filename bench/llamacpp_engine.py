@@ -16,6 +16,9 @@ engines. Prints a table, writes JSON.
 
     python bench/llamacpp_engine.py --head runs/quickstart/eagle3 --small runs/distill_qs \\
         --prompts builtin:dev_prompts --limit 12 --out bench/results/llamacpp_engine.json
+
+Several heads side by side: ``--head shipped=runs/qs/eagle3 hour=runs/hour/eagle3`` (NAME=DIR; a bare DIR
+is named by its folder).
 """
 
 from __future__ import annotations
@@ -36,33 +39,45 @@ from draftsmith.eval.llamacpp_runs import beside_alone, interleaved_runs
 from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.export import export_checkpoint
-from draftsmith.export.gguf import write_gguf
+from draftsmith.export.gguf import QTYPES, write_gguf
 from draftsmith.loading import resolve_model_path, smollm2_gguf_path
 
 TARGET = "smollm2-135m-instruct"
 
 
+def head_names(args) -> dict[str, str]:
+    """``--head`` as {setting name: run}: ``eagle3`` for one head, ``eagle3:NAME`` for each of several."""
+    heads = dict(h.split("=", 1) if "=" in h else (Path(h).name, h) for h in args.head or ())
+    if len(heads) < len(args.head or ()):
+        raise SystemExit(f"--head: two heads share a name ({' '.join(args.head)}); name them NAME=DIR")
+    return (
+        {EAGLE3: next(iter(heads.values()))}
+        if len(heads) == 1
+        else {f"{EAGLE3}:{n}": r for n, r in heads.items()}
+    )
+
+
 def exports(args) -> dict[str, Path]:
-    """GGUF files: the bundled Q4_1 target, its dequantized F32 copy, the head and the small draft."""
+    """GGUF files: the bundled Q4_1 target, its dequantized F32 copy, the heads and the small draft."""
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     files = {"q4_1": smollm2_gguf_path(), "f32": work / "target-f32.gguf"}
     if not files["f32"].exists():
         write_gguf(resolve_model_path(TARGET)[0], files["f32"], "f32", smollm2_gguf_path())
-    for name, run in ((EAGLE3, args.head), ("small", args.small)):
+    for name, run in (*head_names(args).items(), ("small", args.small)):
         if run:
-            files[name] = work / f"{name}-{args.gguf_dtype}.gguf"
+            files[name] = work / f"{name.replace(':', '-')}-{args.gguf_dtype}.gguf"
             if not files[name].exists():
                 export_checkpoint(locate_checkpoint(run), "gguf", files[name], args.gguf_dtype)
     return files
 
 
 def run_llamacpp(args, files, prompt_ids) -> tuple[dict[str, dict], dict[str, list[list[int]]]]:
-    drafts = [None, NGRAM, *(d for d in ("small", EAGLE3) if d in files)]
+    drafts = [None, NGRAM, *(d for d in ("small", *head_names(args)) if d in files)]
     settings = {}
     for target in args.targets:
         for draft in drafts:
-            kind = "draft" if draft == "small" else draft
+            kind = "draft" if draft == "small" else EAGLE3 if draft and draft.startswith(EAGLE3) else draft
             settings[f"{target}:{draft or 'alone'}"] = (
                 files[target],
                 llamacpp.speculative_args(kind, args.k, files.get(draft)),
@@ -75,7 +90,7 @@ def run_llamacpp(args, files, prompt_ids) -> tuple[dict[str, dict], dict[str, li
 
 def run_draftsmith(args, prompts) -> tuple[dict[str, dict], list[list[int]]]:
     target = load_target(TARGET, device="cpu", dtype="float32")
-    specs = [(EAGLE3, args.head), ("small", args.small), (NGRAM, NGRAM)]
+    specs = [*head_names(args).items(), ("small", args.small), (NGRAM, NGRAM)]
     drafts = [(name, build_drafter(str(locate_checkpoint(s).draft_dir) if name != NGRAM else s, target))
               for name, s in specs if s]  # fmt: skip
     pack_for_decoding(target.model, *(d for _, d in drafts))
@@ -106,7 +121,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head", help="EAGLE-3 head: run or draft directory (trained for smollm2-135m-instruct)")
+    p.add_argument("--head", nargs="+", metavar="[NAME=]DIR",
+                   help="EAGLE-3 heads: run or draft directories (trained for smollm2-135m-instruct)")  # fmt: skip
     p.add_argument("--small", help="distilled small draft: run or draft directory")
     p.add_argument("--prompts", default="builtin:dev_prompts")
     p.add_argument("--limit", type=int, default=12)
@@ -114,7 +130,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
-    p.add_argument("--gguf-dtype", default="f16", choices=["f32", "f16", "q8_0"])
+    p.add_argument("--gguf-dtype", default="f16", choices=list(QTYPES))
     p.add_argument("--targets", default="q4_1,f32", help="llama.cpp target GGUFs: q4_1 (bundled), f32")
     p.add_argument("--work", default="runs/llamacpp", help="folder for the exported GGUFs and server logs")
     p.add_argument("--out", default="bench/results/llamacpp_engine.json")

@@ -6,9 +6,9 @@ conversations in flight, one engine at a time:
 
 - ``static``, ``continuous``: the target in this process through transformers (left-padded batches,
   or transformers' continuous batching), in --dtype (``static`` is today's default on a CPU);
-- ``llamacpp:q4_1``, ``llamacpp:f32``, ``llamacpp:f16``: ``llama-server`` through the server path
+- ``llamacpp:q4_1``, ``llamacpp:f32``, ``llamacpp:f16``, ``llamacpp:bf16``: ``llama-server`` through the server path
   (``--engine llamacpp``'s code: token ids in, one slot per conversation in flight, one thread per
-  core), on the bundled Q4_1 GGUF or a dequantized F32/F16 copy of it (server start-up not timed).
+  core), on the bundled Q4_1 GGUF or a dequantized F32/F16/BF16 copy of it (server start-up not timed).
 
 A reference run (static, float32) answers the prompts first; each engine's replies are compared with
 it text for text. Prints a table, writes JSON.
@@ -34,7 +34,7 @@ from draftsmith.train.corpus.regenerate import BATCHING, regenerate
 from draftsmith.train.corpus.served import CompletionServer, regenerate_served
 
 TARGET = "smollm2-135m-instruct"
-ENGINES = (*BATCHING[1:], "llamacpp:q4_1", "llamacpp:f32", "llamacpp:f16")
+ENGINES = (*BATCHING[1:], "llamacpp:q4_1", "llamacpp:f32", "llamacpp:f16", "llamacpp:bf16")
 
 
 def replies(path: Path) -> dict[str, str]:
@@ -44,7 +44,7 @@ def replies(path: Path) -> dict[str, str]:
 
 
 def gguf_for(name: str, work: Path) -> Path:
-    """The bundled Q4_1 GGUF, or an F32/F16 GGUF of its dequantized weights (written once into ``work``)."""
+    """The bundled Q4_1 GGUF, or an F32/F16/BF16 GGUF of its dequantized weights (written once into ``work``)."""
     if name == "q4_1":
         return smollm2_gguf_path()
     from draftsmith.export.gguf import write_gguf  # the app's GGUF writer (tests check llama.cpp reads it)

@@ -37,7 +37,7 @@ def logits(model, ids=((1, 5, 70, 200, 3, 4, 9, 120),)):
         return model(torch.tensor(ids)).logits
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [("f32", 1e-6), ("f16", 2e-3), ("q8_0", 2e-2)])
+@pytest.mark.parametrize(("dtype", "tol"), [("f32", 1e-6), ("f16", 2e-3), ("bf16", 1e-2), ("q8_0", 2e-2)])
 def test_gguf_loads_back_with_the_same_logits_and_tokenizer(draft_dir, tmp_path, dtype, tol):
     original = AutoModelForCausalLM.from_pretrained(draft_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(draft_dir)

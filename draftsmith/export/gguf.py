@@ -55,6 +55,7 @@ from draftsmith.loading import read_gguf
 QTYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
     "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
     "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
 }
 LAYER_NAMES = {
@@ -135,11 +136,11 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, dtype:
     elif qtype == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, array.astype(np.float16))
     else:
-        if array.shape[-1] % 32:
+        if qtype == gguf.GGMLQuantizationType.Q8_0 and array.shape[-1] % 32:
             raise ValueError(
                 f"q8_0 needs rows divisible by 32; {name} has {array.shape[-1]} columns: use f16"
             )
-        data = gguf.quants.quantize(array, qtype)
+        data = gguf.quants.quantize(array, qtype)  # bf16 bits or q8_0 blocks, as llama.cpp reads them
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
 
 
@@ -187,7 +188,7 @@ def _check_dtype(dtype: str) -> None:
 def write_gguf(
     draft_dir: str | Path, out_file: str | Path, dtype: str = "f16", tokenizer_gguf: Path | None = None
 ) -> Path:
-    """Write the causal-LM draft in ``draft_dir`` as a GGUF file; ``dtype`` is f32, f16 or q8_0."""
+    """Write the causal-LM draft in ``draft_dir`` as a GGUF file; ``dtype`` is one of ``QTYPES``."""
     _check_dtype(dtype)
     draft_dir, out_file = Path(draft_dir), Path(out_file)
     config = AutoConfig.from_pretrained(draft_dir)
