@@ -28,10 +28,11 @@ from pathlib import Path
 from draftsmith import llamacpp
 from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.loading import load_causal_lm, resolve_model_path, smollm2_gguf_path
+from draftsmith.openai_client import CompletionServer
 from draftsmith.sources import BUILTIN_TRAIN
 from draftsmith.train.corpus.prompts import first_user_turns
 from draftsmith.train.corpus.regenerate import BATCHING, regenerate
-from draftsmith.train.corpus.served import CompletionServer, regenerate_served
+from draftsmith.train.corpus.served import regenerate_served
 
 TARGET = "smollm2-135m-instruct"
 ENGINES = (*BATCHING[1:], "llamacpp:q4_1", "llamacpp:f32", "llamacpp:f16", "llamacpp:bf16")
@@ -67,7 +68,7 @@ def run_transformers(mode: str, dtype: str, prompts: Path, out: Path, args) -> t
 
 
 def run_llamacpp(quant: str, prompts: Path, out: Path, work: Path, args) -> tuple[object, float, str]:
-    from draftsmith.train.corpus.served import target_tokenizer
+    from draftsmith.loading import target_tokenizer
 
     tokenizer, config, _ = target_tokenizer(TARGET)
     gguf, slots, threads = gguf_for(quant, work), args.batch_size, os.cpu_count() or 1

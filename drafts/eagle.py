@@ -428,5 +428,7 @@ def _build(target, path: str) -> Drafter:
 
 register(DraftKind(EAGLE3, "EAGLE-3 head", _build, "eagle"))  # every engine with an EAGLE-3 layout
 register(DraftKind(EAGLE1, "EAGLE-1 head", _build, "eagle", exports=(HF,), refusal=(
-    "draftsmith's EAGLE-1 head keeps its first layer's input norm and reads the target's final norm, which the "
-    "engines' EAGLE-1 loaders do not; train an eagle3 head, or use this one with `draftsmith eval`")))  # fmt: skip
+    "draftsmith's EAGLE-1 head keeps its first layer's input norm and applies the target's final norm before its "
+    "LM head; vLLM 0.32's EAGLE-1 model (llama_eagle.py) replaces layer 0's input norm by the identity and reads "
+    "logits from hidden + residual with no norm (the other engines were not checked for EAGLE-1); train an "
+    "eagle3 head, or use this one with `draftsmith eval`")))  # fmt: skip

@@ -32,7 +32,7 @@ from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.tree import DraftTree, TreeBuilder, TreeSpec
 from draftsmith.drafts.base import DRAFT_KIND_KEY, MEDUSA, DraftKind, check_target, register
 from draftsmith.drafts.eagle_parts import copy_final_norm
-from draftsmith.drafts.engines import HF
+from draftsmith.drafts.engines import HF, VLLM
 
 
 class MedusaConfig(PretrainedConfig):
@@ -239,8 +239,9 @@ def _build(target, path: str) -> Drafter:
 
 
 NO_ENGINE_LOADER = (
-    "neither vLLM 0.33 nor SGLang 0.5.23 has a Medusa loader any more (their released sources contain "
-    "none), and llama.cpp has no Medusa graph; use the heads with `draftsmith eval`, or export them with --to hf"
+    "of the engines only vLLM loads Medusa heads (--to vllm, vLLM 0.32's MedusaModel): SGLang 0.5.23's released "
+    "source has no Medusa loader and llama.cpp no Medusa graph; use the heads with `draftsmith eval`, or export "
+    "them with --to hf or --to vllm"
 )
 register(DraftKind(MEDUSA, "Medusa draft", _build, "medusa",
-                   exports=(HF,), refusal=NO_ENGINE_LOADER))  # fmt: skip
+                   exports=(HF, VLLM), refusal=NO_ENGINE_LOADER))  # fmt: skip

@@ -8,16 +8,10 @@ without it. Reading llama.cpp's own acceptance from the server's trace is ``eval
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+from draftsmith.servers import LocalServer
 
 LLAMACPP_PY_VERSION = "0.3.36"
 INSTALL = "bash scripts/install_llamacpp.sh"
@@ -60,22 +54,7 @@ def available(name: str = "llama-server") -> bool:
     return True
 
 
-def _die_with_parent() -> None:
-    """In the server's process, before it runs: on Linux, have the kernel end it when the process that
-    started it dies, even by SIGKILL (a job killed mid-run must not leave llama-server's threads spinning)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(LocalServer):
     """``llama-server`` on a free local port for the length of a ``with`` block.
 
     ``args`` are llama-server's own flags after ``-m MODEL`` (``--spec-type draft-eagle3
@@ -83,78 +62,22 @@ class Server:
     with ``log`` the server also logs every verify step ("accepted a/p draft tokens", LLAMA_TRACE=1).
     """
 
+    title = "llama-server"
+
     def __init__(self, model: str | Path, args: list[str] | None = None, threads: int | None = None,
                  log: str | Path | None = None, start_timeout: float = 120.0):  # fmt: skip
-        self.model, self.args, self.log, self.start_timeout = (
-            Path(model),
-            list(args or []),
-            log,
-            start_timeout,
-        )
+        super().__init__(log, start_timeout)
+        self.model, self.args = Path(model), list(args or [])
         self.threads = threads or os.cpu_count() or 1
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> Server:
-        cmd = [
-            str(tool("llama-server")),
-            "-m",
-            str(self.model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-        ]
-        cmd += [
-            "-t",
-            str(self.threads),
-            "-tb",
-            str(self.threads),
-            "--no-ui",
-            "-np",
-            "1",
-            *cpu_args(),
-            *self.args,
-        ]
-        out = open(self.log, "w") if self.log else subprocess.DEVNULL  # noqa: SIM115 (closed in __exit__)
-        self._log_file = out if self.log else None
-        env = {**os.environ, "LLAMA_TRACE": "1"} if self.log else None
-        self._proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
-        )
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                tail = Path(self.log).read_text()[-2000:] if self.log else "(pass log= to see why)"
-                raise RuntimeError(f"llama-server exited with code {self._proc.returncode}:\n{tail}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.25)
-        self.__exit__(None, None, None)
-        raise TimeoutError(f"llama-server did not become ready within {self.start_timeout:.0f} s")
+    def command(self) -> list[str]:
+        return [
+            str(tool("llama-server")), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
+            "-t", str(self.threads), "-tb", str(self.threads), "--no-ui", "-np", "1", *cpu_args(), *self.args,
+        ]  # fmt: skip
 
-    def __exit__(self, *exc) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        if self._log_file is not None:
-            self._log_file.close()
-
-    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
-        request = urllib.request.Request(
-            f"{self.url}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=timeout) as r:
-            return json.loads(r.read())
+    def environment(self) -> dict[str, str] | None:
+        return {**os.environ, "LLAMA_TRACE": "1"} if self.log else None
 
     def tokenize(self, text: str, special: bool = True) -> list[int]:
         """llama.cpp's tokenization of ``text`` (special tokens parsed; no BOS added)."""

@@ -230,6 +230,17 @@ def load_causal_lm(
     return model, tokenizer, name
 
 
+def target_tokenizer(spec: str, chat_template: str | None = None):
+    """(tokenizer, text config, display name) of ``--target``, without loading its weights."""
+    from transformers import AutoConfig
+
+    path, name = resolve_model_path(spec)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
+    return tokenizer, AutoConfig.from_pretrained(path).get_text_config(decoder=True), name
+
+
 def tokenizer_fingerprint(tokenizer, include_template: bool = True) -> str:
     """A short hash of the vocabulary (and chat template): two tokenizers that agree on both match."""
     h = hashlib.sha256()

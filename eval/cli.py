@@ -41,10 +41,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--draft",
         dest="drafts",
         action="append",
-        required=True,
+        default=[],
         metavar="D",
         help="a draft to measure (repeat for several): ngram, ngram:N (n-gram prompt lookup, longest n = N), "
         "layers:N (the target's own first N layers), or a draft checkpoint directory / model id",
+    )
+    p.add_argument(
+        "--server",
+        default=None,
+        metavar="URL",
+        help="a running vLLM server (http://host:port) that serves the target with a draft (vllm serve TARGET "
+        "--speculative-config ...): the prompts go to it, greedy, and its own counters (/metrics, read before "
+        "and after) give the served draft's τ, α and acceptance by position, written to DIR/served.json. With "
+        "--draft (the same head), draftsmith's decoder judges it too, on the same prompts, and the two are set "
+        "side by side. The server must have no other traffic meanwhile",
+    )
+    p.add_argument(
+        "--server-in-flight",
+        type=int,
+        default=1,
+        metavar="N",
+        help="requests sent to --server at once (default 1: batch 1, as draftsmith decodes)",
     )
     p.add_argument(
         "--prompts",
@@ -221,6 +238,16 @@ def _check(args: argparse.Namespace) -> list[str] | None:
     mirror_stats.check_options(args)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be 0 or more prompts, got {args.warmup}")
+    if not args.drafts and not args.server:
+        raise ValueError(
+            "nothing to measure: pass --draft D (a draft in draftsmith's decoder) and/or --server URL"
+        )
+    if args.server and args.temperature != 0:
+        raise ValueError(
+            "--server judges greedy decoding (the server's counters of a greedy run); drop --temperature"
+        )
+    if args.server_in_flight < 1:
+        raise ValueError(f"--server-in-flight must be at least 1, got {args.server_in_flight}")
     repeated = sorted({d for d in args.drafts if args.drafts.count(d) > 1})
     if repeated:
         raise ValueError(f"--draft {', '.join(repeated)} given more than once; name each draft once")
@@ -261,6 +288,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(
         args.prompts, args.limit, categories, args.order
     )  # fail fast, before loading models
+    served = _served_client(args) if args.server else None  # a wrong server is refused before any model loads
+    if not args.drafts:
+        return _judge_served(args, served, prompts, None)
     for spec in args.drafts:
         check_draft_files(spec)  # a cut-short copy fails here, not after the target has loaded
     target = load_target(args.target, device=args.device, dtype=args.dtype, chat_template=args.chat_template)
@@ -297,4 +327,39 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(report))
     for path in write_report(report, args.out):
         print(f"wrote {path}")
+    if served is not None:
+        return _judge_served(args, served, prompts, report)
+    return 0
+
+
+def _served_client(args: argparse.Namespace):
+    """The --server client, its model checked against --target (another target is refused, naming why)."""
+    from draftsmith.eval.served_acceptance import read_counters
+    from draftsmith.loading import target_tokenizer
+    from draftsmith.openai_client import CompletionServer, check_server
+
+    tokenizer, config, _ = target_tokenizer(args.target, args.chat_template)
+    client = CompletionServer(args.server)
+    check_server(client, tokenizer, config.vocab_size)
+    read_counters(client)  # a server that serves no draft is said to, before anything runs
+    return client, tokenizer
+
+
+def _judge_served(args: argparse.Namespace, served: tuple, prompts, report: dict | None) -> int:
+    """The served draft's acceptance on ``prompts``, printed beside draftsmith's ``report`` (if any); served.json."""
+    from draftsmith import files
+    from draftsmith.eval.served_acceptance import judge_server, served_table
+
+    def progress(done: int, total: int) -> None:
+        print(f"served: {done}/{total} prompts", flush=True)
+
+    client, tokenizer = served
+    run = judge_server(client, tokenizer, prompts, args.max_new_tokens, args.server_in_flight, progress)
+    record = {"server": client.url, "model": client.model, "max_new_tokens": args.max_new_tokens,
+              "num_prompts": len(prompts), "served": run.summary()}  # fmt: skip
+    if report is not None:
+        record["draftsmith"] = {d["name"]: d for d in report["drafts"]}
+    print(served_table(record, args.k))
+    path = files.write_text(Path(args.out) / "served.json", files.json_text(record))
+    print(f"wrote {path}")
     return 0

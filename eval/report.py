@@ -338,12 +338,39 @@ def format_markdown(report: dict) -> str:
     return "\n".join(out)
 
 
+def provenance() -> dict:
+    """Where a bench result came from: the command, the git commit of the tree it ran from (``+dirty`` with
+    uncommitted changes), the CPU's model and its matrix-instruction flags, and the date."""
+    import subprocess
+    import sys
+
+    from draftsmith.loading import cpu_flags
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*cmd: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", "-C", str(root), *cmd], capture_output=True, text=True, timeout=30
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "HEAD") or None
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    flags = sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2")))
+    return {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "commit": commit,
+            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "flags": flags},
+            "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+
+
 def bench_record(target, settings: dict, **results) -> dict:
-    """A bench script's result: the target's name, the settings it ran with, the hardware and the date,
-    then ``results``."""
+    """A bench script's result: the target's name, the settings it ran with, the hardware, the date and
+    ``provenance()``, then ``results``."""
     return {"target": target.name, "settings": settings,
             "hardware": hardware_description(target.device, target.dtype), "date": time.strftime("%Y-%m-%d"),
-            **results}  # fmt: skip
+            "provenance": provenance(), **results}  # fmt: skip
 
 
 def write_json(path: str | Path, result: dict) -> Path:

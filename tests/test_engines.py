@@ -12,7 +12,7 @@ from tiny import tiny_target
 
 from draftsmith.cli import main
 from draftsmith.drafts import distill
-from draftsmith.drafts.engines import _ENGINES, HF, Engine, engine_named, export_engines
+from draftsmith.drafts.engines import _ENGINES, HF, VLLM, Engine, engine_named, export_engines
 
 TOY_ENGINE = '''
 """A toy engine: its record and its writer, nothing else."""
@@ -132,4 +132,4 @@ def test_every_engine_has_its_work_and_kinds_name_engines_by_record():
         loaded(engine)
         assert engine.writers and engine.verify and engine.usage and engine.checked, engine
     assert engine_named("hf") is HF
-    assert draft_kind("medusa").exports == (HF,) and draft_kind("eagle1").exports == (HF,)
+    assert draft_kind("medusa").exports == (HF, VLLM) and draft_kind("eagle1").exports == (HF,)

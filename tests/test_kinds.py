@@ -52,7 +52,7 @@ def medusa_run(tmp_path_factory):
     return target, run
 
 
-def test_medusa_exports_to_hf_and_is_refused_by_engines_without_a_loader(medusa_run, tmp_path, capsys):
+def test_medusa_exports_to_hf_and_vllm_and_is_refused_by_engines_without_a_loader(medusa_run, tmp_path, capsys):
     target, run = medusa_run
     ckpt = locate_checkpoint(str(run))
     assert ckpt.kind.name == kind_of_checkpoint(run / "draft").name == "medusa"
@@ -65,9 +65,10 @@ def test_medusa_exports_to_hf_and_is_refused_by_engines_without_a_loader(medusa_
     assert (
         generate(target, prompt, exported, 2, 12).tokens == generate(target, prompt, original, 2, 12).tokens
     )
-    for engine in ("vllm", "sglang", "speculators", "gguf"):
+    assert main(["export", str(run), "--to", "vllm", "--out", str(tmp_path / "vllm")]) == 0
+    for engine in ("sglang", "speculators", "gguf"):
         assert main(["export", str(run), "--to", engine, "--out", str(tmp_path / engine)]) == 2
-        assert "nor SGLang 0.5.23 has a Medusa loader" in capsys.readouterr().err
+        assert "SGLang 0.5.23's released source has no Medusa loader" in capsys.readouterr().err
 
 
 def test_medusa_publishes_with_a_card(medusa_run, tmp_path):
@@ -76,7 +77,7 @@ def test_medusa_publishes_with_a_card(medusa_run, tmp_path):
     assert main(["publish", str(run), "--repo-id", "me/medusa", "--base-model", "a/b", "--license", "mit",
                  "--no-eval", "--out", str(out), "--dry-run"]) == 0  # fmt: skip
     card = (out / "README.md").read_text()
-    assert "medusa" in card.split("---")[1] and "Medusa draft" in card and "has a Medusa loader" in card
+    assert "medusa" in card.split("---")[1] and "Medusa draft" in card and "--to vllm" in card
     assert json.loads((out / "config.json").read_text())["draftsmith_kind"] == "medusa"
 
 

@@ -18,14 +18,18 @@ FOLDERS = {"decode": "decode", "drafts": "drafts", "eval": "eval", "train": "tra
 LAYERS = [
     (
         "model loading and io",
-        # llamacpp drives an external engine (the build, llama-server over HTTP): io, which `data
-        # regenerate --engine llamacpp` (train) and the benches use alike
+        # llamacpp and vllm drive external engines (llama-server, vllm serve over HTTP; servers is their
+        # common process handling, openai_client the HTTP client of any OpenAI-compatible server): io,
+        # which `data regenerate --engine` (train), `eval --server` (eval) and the benches use alike
         (
             "draftsmith.files",
             "draftsmith.hub",
             "draftsmith.llamacpp",
             "draftsmith.loading",
+            "draftsmith.openai_client",
+            "draftsmith.servers",
             "draftsmith.sources",
+            "draftsmith.vllm",
         ),
     ),
     ("decode", ("draftsmith.decode",)),

@@ -26,6 +26,7 @@ OTHER_MEANINGS = {
     ("draftsmith/publish/card.py", "medusa"): "the family",
     ("draftsmith/export/verify.py", "medusa"): "the family",
     ("draftsmith/export/hf.py", "medusa"): "the family",
+    ("draftsmith/export/vllm.py", "medusa"): "the family, and vLLM's model_type and method name",
 }
 """(file, word) -> what the word names there, where it is not draftsmith's kind."""
 

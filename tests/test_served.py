@@ -19,11 +19,12 @@ from tiny import tiny_bpe_tokenizer
 
 from draftsmith.cli import main
 from draftsmith.loading import eos_token_ids
+from draftsmith.openai_client import CompletionServer, ServerError, check_server
 from draftsmith.sources import DataSourceError, expand_sources
 from draftsmith.train.corpus.conversations import load_conversations
 from draftsmith.train.corpus.prompts import parse_shard, take_shard
 from draftsmith.train.corpus.regenerate import regenerate
-from draftsmith.train.corpus.served import CompletionServer, ServerError, check_server, regenerate_served
+from draftsmith.train.corpus.served import regenerate_served
 
 MAX_NEW = 6
 
@@ -216,7 +217,7 @@ def test_cli_server_engine(target_dir, server, data, tmp_path, capsys, monkeypat
                  "--engine", "server"]) == 2  # fmt: skip
     assert "--engine server needs at least one --server URL" in capsys.readouterr().err
     server.die_after = server.completions  # the CLI says how to resume, and exits non-zero
-    monkeypatch.setattr("draftsmith.train.corpus.served.time.sleep", lambda seconds: None)  # no backoff waits
+    monkeypatch.setattr("draftsmith.openai_client.time.sleep", lambda seconds: None)  # no backoff waits
     assert main(["data", "regenerate", "--target", str(target_dir), "--data", str(data), "--out", str(out),
                  "--server", server.url, "--max-new-tokens", str(MAX_NEW)]) == 2  # fmt: skip
     err = capsys.readouterr().err

@@ -169,7 +169,8 @@ def add_parser(subparsers) -> None:
         choices=ENGINES,
         default=None,
         help="transformers (default): the target in this process; llamacpp: a local llama-server on the "
-        "target's GGUF; server: the --server URLs (implied by --server)",
+        "target's GGUF; vllm: a local `vllm serve` of the target's safetensors (`bash scripts/install_vllm.sh`); "
+        "server: the --server URLs (implied by --server)",
     )
     regen.add_argument(
         "--shard", default=None, metavar="I/N", help="only shard I of N (I from 0): every N-th conversation"
@@ -302,7 +303,7 @@ def run_synthesize(args: argparse.Namespace) -> int:
     return 0
 
 
-ENGINES = ("transformers", "server", "llamacpp")
+ENGINES = ("transformers", "server", "llamacpp", "vllm")
 
 
 def run_regenerate(args: argparse.Namespace) -> int:

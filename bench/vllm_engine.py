@@ -1,0 +1,218 @@
+"""vLLM's own speculative decoding with draftsmith's vLLM exports, beside `draftsmith eval` of the same drafts.
+
+On the same dev prompts (first turn, the target's chat template, the same prompt token ids in both
+engines), greedy, k draft tokens per step:
+
+  vLLM (``vllm serve`` from ``scripts/install_vllm.sh``, float32, eager, one server per setting, one at a
+  time): the target alone; vLLM's own n-gram proposer (prompt lookup, n = 1..3, as draftsmith's
+  ``ngram``); each EAGLE-3 head (``method: eagle3``), the Medusa heads (``medusa``), the distilled small
+  draft and the layer-subset draft (``draft_model``; the subset written as a truncated copy of the
+  target, which is what ``layers:N`` is: the target's first N layers, final norm and LM head) -- every
+  one exported by ``draftsmith export --to vllm``. Acceptance is vLLM's own counters (``/metrics``,
+  read before and after the prompts: ``eval/served_acceptance.py``), at batch 1 (one request at a time)
+  and at a batch of 16 (16 requests in flight); outputs at batch 1 are compared with vLLM's target alone.
+  tok/s counts generated tokens over the wall time of the pass, prompt processing included.
+  draftsmith (``eval.evaluate``, float32, CPU kernels packed as ``draftsmith eval`` does): the target alone
+  and the same drafts (``ngram:3``, ``layers:N``).
+
+Prints a table, writes JSON.
+
+    python bench/vllm_engine.py --head runs/qs --medusa runs/medusa --small runs/distill --layers 8 \\
+        --prompts builtin:dev_prompts --limit 12 --max-new-tokens 96 --k 5 --out bench/results/vllm_engine.json
+
+Several heads: ``--head shipped=runs/qs/eagle3 hour=runs/hour/eagle3`` (NAME=DIR; a bare DIR is named by its
+folder). A peer pipeline's head is read for the target first (``draftsmith export ... --target``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+from draftsmith import files, vllm
+from draftsmith.decode.cpu_kernels import pack_for_decoding
+from draftsmith.decode.target import load_target
+from draftsmith.draft_checkpoint import locate_checkpoint
+from draftsmith.drafts import build_drafter
+from draftsmith.drafts.base import EAGLE3, LAYERS, MEDUSA, NGRAM, PEER_EAGLE3
+from draftsmith.eval.harness import evaluate
+from draftsmith.eval.prompts import load_prompts
+from draftsmith.eval.report import bench_record, write_json
+from draftsmith.eval.served_acceptance import judge_server
+from draftsmith.export import export_checkpoint, import_peer_head
+from draftsmith.loading import resolve_model_path
+from draftsmith.openai_client import CompletionServer
+
+TARGET = "smollm2-135m-instruct"
+BATCH = 16
+
+
+@dataclasses.dataclass
+class Setting:
+    """One draft judged by both engines: its name, draftsmith's spec, vLLM's speculative config, its k."""
+
+    name: str
+    spec: str | None
+    vllm_config: dict | None
+    k: int
+
+
+def layer_subset_model(target_dir: str, n: int, out: Path) -> Path:
+    """The target's first ``n`` layers, final norm and LM head as a causal LM of its own (what ``layers:N``
+    drafts with), for vLLM's ``draft_model`` method."""
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype="float32")
+    model.model.layers = model.model.layers[:n]
+    model.config.num_hidden_layers = n
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:n]
+
+    def save(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(target_dir).save_pretrained(tmp)
+
+    return files.replace_dir(out, save)
+
+
+def settings(args, target_dir: str, work: Path) -> list[Setting]:
+    """Every draft, exported for vLLM under ``work``, with its vLLM speculative config."""
+    found = [Setting("alone", None, None, 0),
+             Setting(NGRAM, f"{NGRAM}:3", {"method": "ngram", "num_speculative_tokens": args.k,
+                                           "prompt_lookup_max": 3, "prompt_lookup_min": 1}, args.k)]  # fmt: skip
+    heads = dict(h.split("=", 1) if "=" in h else (Path(h).name, h) for h in args.head or ())
+    drafts = [(f"{EAGLE3}:{n}", r) for n, r in heads.items()]
+    drafts += [(MEDUSA, args.medusa)] if args.medusa else []
+    drafts += [("small", args.small)] if args.small else []
+    for name, run in drafts:
+        ckpt = locate_checkpoint(run)
+        if ckpt.kind.name == PEER_EAGLE3:  # a peer pipeline's head: read for the target first
+            ckpt = import_peer_head(ckpt, target_dir, work / f"{name.replace(':', '-')}-read")
+        out = work / f"{name.replace(':', '-')}-vllm"
+        if not (out / "config.json").is_file():
+            export_checkpoint(ckpt, "vllm", out)
+        method = {"eagle": "eagle3", "medusa": "medusa", "causal_lm": "draft_model"}[ckpt.kind.family]
+        k = min(args.k, int(ckpt.config.get("num_heads", args.k))) if method == "medusa" else args.k
+        found.append(Setting(name, str(ckpt.draft_dir), {"method": method, "model": str(out.resolve()),
+                                                         "num_speculative_tokens": k}, k))  # fmt: skip
+    if args.layers:
+        out = layer_subset_model(target_dir, args.layers, work / f"layers-{args.layers}-vllm")
+        found.append(Setting(f"{LAYERS}:{args.layers}", f"{LAYERS}:{args.layers}",
+                             {"method": "draft_model", "model": str(out.resolve()), "num_speculative_tokens": args.k},
+                             args.k))  # fmt: skip
+    return found
+
+
+def run_draftsmith(args, prompts, found: list[Setting]) -> tuple[dict, list[list[int]], object]:
+    """draftsmith's decoder on the same prompts: the target alone and every draft, at each draft's k."""
+    target = load_target(TARGET, device="cpu", dtype="float32")
+    drafts = [(s, build_drafter(s.spec, target)) for s in found if s.spec]
+    pack_for_decoding(target.model, *(d for _, d in drafts))
+    rows, outputs = {}, None
+    for k in sorted({s.k for s, _ in drafts}):
+        chosen = [(s.name, d) for s, d in drafts if s.k == k]
+        result = evaluate(target, chosen, prompts, k=k, max_new_tokens=args.max_new_tokens, warmup=1)
+        base = result.baseline.total.timing.tokens_per_s
+        rows.setdefault("alone", {"tokens_per_s": base, "tokens": result.baseline.total.timing.new_tokens})
+        outputs = outputs or [o[0] for o in result.baseline.outputs]
+        for d in result.drafts:
+            a, t = d.total.acceptance, d.total.timing
+            rows[d.name] = {"k": k, "tokens": t.new_tokens, "tokens_per_s": t.tokens_per_s, "tau": a.tau,
+                            "alpha": a.alpha, "per_position": a.per_position, "speedup": t.tokens_per_s / base,
+                            "exact_match": d.exact_match}  # fmt: skip
+    return rows, outputs, target
+
+
+def run_vllm(args, prompts, target_dir: str, found: list[Setting], work: Path) -> dict:
+    """Each setting in its own ``vllm serve``, one at a time: a warm-up, the prompts at batch 1, then at 16."""
+    from draftsmith.loading import target_tokenizer
+
+    tokenizer = target_tokenizer(TARGET)[0]
+    rows = {}
+    for s in found:
+        log = work / f"server-{s.name.replace(':', '-')}.log"
+        started = time.perf_counter()
+        with vllm.Server(target_dir, s.vllm_config, log=log, kv_cache_gib=args.kv_cache_gib) as server:
+            up = time.perf_counter() - started
+            client = CompletionServer(server.url)
+            client.model = client.models()[0]["id"]
+            client.greedy_ids(tokenizer("Hello")["input_ids"], 8)  # untimed warm-up
+            one = judge_server(
+                client, tokenizer, prompts, args.max_new_tokens, 1, counted=s.vllm_config is not None
+            )
+            many = judge_server(client, tokenizer, prompts, args.max_new_tokens, BATCH,
+                                counted=s.vllm_config is not None)  # fmt: skip
+        rows[s.name] = {"k": s.k, "speculative_config": s.vllm_config, "start_seconds": up,
+                        "batch_1": one.summary(), f"batch_{BATCH}": many.summary(),
+                        "outputs": [o[0] for o in one.outputs],
+                        "outputs_batch_16_equal_batch_1": many.outputs == one.outputs}  # fmt: skip
+        print(
+            f"vLLM {s.name}: up in {up:.0f} s, {one.summary().get('tau', 1.0):.3f} τ at batch 1", flush=True
+        )
+    alone = rows["alone"]
+    for row in rows.values():
+        row["exact_match"] = row["outputs"] == alone["outputs"]
+        for batch in ("batch_1", f"batch_{BATCH}"):
+            row[batch]["speedup"] = row[batch]["tokens_per_s"] / alone[batch]["tokens_per_s"]
+    return rows
+
+
+def print_table(ds: dict, vl: dict) -> None:
+    def f(x, spec=".3f"):
+        return "-" if x is None or x != x else format(x, spec)
+
+    def rates(xs):
+        return " ".join(f(x, ".2f") for x in xs or [])
+
+    print(f"\n{'draft':<16} {'k':>2} {'τ draftsmith':>12} {'τ vLLM':>7} {'Δ':>7}  {'by position: draftsmith':<26} "
+          f"{'vLLM':<26} {'= vLLM alone':>12} {'tok/s b1':>8} {'× b1':>5} {'tok/s b16':>9} {'× b16':>5}")  # fmt: skip
+    for name, v in vl.items():
+        d, b1, b16 = ds.get(name, {}), v["batch_1"], v[f"batch_{BATCH}"]
+        tau_d, tau_v = (1.0, 1.0) if name == "alone" else (d.get("tau"), b1.get("tau"))
+        delta = None if tau_d is None or tau_v is None else tau_v - tau_d
+        print(f"{name:<16} {v['k']:>2} {f(tau_d):>12} {f(tau_v):>7} {f(delta, '+.3f'):>7}  "
+              f"{rates(d.get('per_position')):<26} {rates(b1.get('per_position')):<26} {str(v['exact_match']):>12} "
+              f"{f(b1['tokens_per_s'], '.1f'):>8} {f(b1['speedup'], '.2f'):>5} {f(b16['tokens_per_s'], '.1f'):>9} "
+              f"{f(b16['speedup'], '.2f'):>5}")  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--head", nargs="+", metavar="[NAME=]DIR", help="EAGLE-3 heads (draftsmith's or a peer's)")
+    p.add_argument("--medusa", help="Medusa heads: run or draft directory")
+    p.add_argument("--small", help="distilled small draft: run or draft directory")
+    p.add_argument(
+        "--layers", type=int, default=None, metavar="N", help="also the layer-subset draft layers:N"
+    )
+    p.add_argument("--prompts", default="builtin:dev_prompts")
+    p.add_argument("--limit", type=int, default=12)
+    p.add_argument("--order", default="round-robin")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--work", default="runs/vllm", help="folder for the exports and the server logs")
+    p.add_argument("--out", default="bench/results/vllm_engine.json")
+    args = p.parse_args()
+    version = vllm.version()  # one line naming the install command when there is no vLLM
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    target_dir = resolve_model_path(TARGET)[0]
+    prompts = [dataclasses.replace(q, turns=q.turns[:1])
+               for q in load_prompts(args.prompts, args.limit, None, args.order)]  # fmt: skip
+    found = settings(args, target_dir, work)
+    ds_rows, ds_outputs, target = run_draftsmith(args, prompts, found)
+    vl_rows = run_vllm(args, prompts, target_dir, found, work)
+    print_table(ds_rows, vl_rows)
+    same = sum(a == b for a, b in zip(vl_rows["alone"]["outputs"], ds_outputs))
+    print(f"vLLM target alone vs draftsmith float32 target alone: {same}/{len(prompts)} outputs identical")
+    settings_record = vars(args) | {"num_prompts": len(prompts), "greedy": True, "vllm": version}
+    write_json(args.out, bench_record(target, settings_record, draftsmith=ds_rows, vllm=vl_rows,
+                                      vllm_alone_equals_draftsmith_alone=f"{same}/{len(prompts)}"))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""vLLM as a judge and a data engine: its counters read into draftsmith's record of acceptance, the Medusa
+layout it loads, and, where the optional venv exists (``bash scripts/install_vllm.sh``), a real
+``vllm serve``: a served draft's acceptance against draftsmith's own, a server of no draft or of another
+model refused, and ``data regenerate --engine vllm`` killed with SIGKILL mid-run and resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith import vllm
+from draftsmith.draft_checkpoint import locate_checkpoint
+from draftsmith.eval.served_acceptance import acceptance_from_counters, read_counters
+from draftsmith.export import export_checkpoint
+from draftsmith.export.verify import ExportVerificationError, verify_export
+from draftsmith.openai_client import CompletionServer, ServerError
+from draftsmith.vllm import SpecCounters, parse_spec_counters
+from tests.test_served_llamacpp import children
+from tests.tiny import tiny_target
+
+METRICS = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 199.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7962356714710257e+09
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 995.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 41.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 30.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 8.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 2.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="3"} 1.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="4"} 0.0
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="m",position="0"} 1.79e+09
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 1.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="m"} 5.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="m"} 1.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="0"} 1.0
+"""
+"""An excerpt of vLLM 0.32's /metrics after 4 prompts with an EAGLE-3 head (engine 1 added by hand)."""
+
+
+def test_counters_are_read_from_vllms_metrics_page_summed_over_engines():
+    c = parse_spec_counters(METRICS)
+    assert (c.drafts, c.draft_tokens, c.accepted_tokens) == (200, 1000, 42)
+    assert c.accepted_per_position == [31, 8, 2, 1, 0]  # the *_created timestamps are not counts
+    assert c.served
+    assert not parse_spec_counters("python_gc_objects_collected_total 3.0\n").served
+
+
+def test_counters_become_the_histogram_of_accepted_lengths():
+    # 10 steps of 3 drafts: 6 accepted token 0, 3 of those token 1, 1 all three -> lengths 0,1,2,3 = 4,3,2,1
+    stats, exact = acceptance_from_counters(SpecCounters(10, 30, 10, [6, 3, 1]))
+    assert exact
+    assert dict(stats.steps) == {(3, 0): 4, (3, 1): 3, (3, 2): 2, (3, 3): 1}
+    assert stats.tau == pytest.approx(1 + 10 / 10)
+    assert stats.per_position == pytest.approx([0.6, 0.5, 1 / 3])
+    _, exact = acceptance_from_counters(SpecCounters(10, 25, 10, [6, 3, 1]))  # some steps drafted fewer
+    assert not exact
+    with pytest.raises(ServerError, match="not decreasing"):
+        acceptance_from_counters(SpecCounters(10, 30, 10, [3, 6, 1]))
+
+
+def test_a_reading_minus_an_earlier_one_is_what_happened_between():
+    later, earlier = SpecCounters(12, 60, 9, [6, 3]), SpecCounters(2, 10, 1, [1])
+    assert later - earlier == SpecCounters(10, 50, 8, [5, 3])
+
+
+def test_a_missing_or_broken_vllm_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setenv(vllm.ENV, str(tmp_path / "nowhere" / "python"))
+    with pytest.raises(FileNotFoundError, match="install_vllm.sh"):
+        vllm.version()
+    assert not vllm.available()
+    monkeypatch.setenv(vllm.ENV, sys.executable)  # draftsmith's own venv, which has no vLLM
+    with pytest.raises(RuntimeError, match=r"does not import.*install_vllm.sh"):
+        vllm.version()
+
+
+def make_medusa(target, directory: Path, shared: bool, seed: int = 0):
+    from draftsmith.drafts.medusa import MedusaConfig, MedusaHeads
+
+    torch.manual_seed(seed)
+    heads = MedusaHeads(MedusaConfig.for_target(target, num_heads=3, num_layers=1, shared_lm_head=shared))
+    heads.init_from_target(target.model)
+    with torch.no_grad():  # trained-looking blocks: proposals that are not the target's own next token
+        for name, param in heads.named_parameters():
+            if "heads." in name:
+                param.normal_(0, 0.5 / param.shape[-1] ** 0.5)
+    heads.save_pretrained(directory)
+    return heads
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_medusa_exports_to_vllms_layout(tmp_path, shared):
+    target = tiny_target("llama", layers=2)
+    heads = make_medusa(target, tmp_path / "draft", shared)
+    out = export_checkpoint(locate_checkpoint(str(tmp_path / "draft")), "vllm", tmp_path / "vllm")
+    verify_export(out, "vllm")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MedusaModel"] and config["original_lm_head"] is shared
+    from safetensors.torch import load_file
+
+    tensors = load_file(out / "model.safetensors")
+    assert torch.equal(tensors["blocks.1.layers.0.weight"], heads.heads[1][0].linear.weight)
+    assert torch.equal(tensors["blocks.1.layers.0.bias"], heads.heads[1][0].linear.bias)
+    assert ("lm_head.weight" in tensors) is shared and ("lm_heads.2.weight" in tensors) is not shared
+    assert "norm.weight" not in tensors  # vLLM hands Medusa the state after the target's own final norm
+
+    from safetensors.torch import save_file
+
+    del tensors["blocks.2.layers.0.bias"]
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(ExportVerificationError, match="blocks.2.layers.0.bias"):
+        verify_export(out, "vllm")
+
+
+def test_eagle1_is_refused_for_vllm_naming_its_loader(tmp_path):
+    from draftsmith.drafts.base import EAGLE1, draft_kind
+    from draftsmith.drafts.engines import VLLM
+    from draftsmith.export.engines import refusal
+
+    assert "llama_eagle.py" in refusal(draft_kind(EAGLE1), VLLM)
+
+
+# --- a real vLLM -------------------------------------------------------------------------------------
+
+needs_vllm = pytest.mark.skipif(
+    not vllm.available(), reason=f"vLLM is not installed (optional extra: {vllm.INSTALL})"
+)
+TARGET = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def real_target():
+    from draftsmith.decode.target import load_target
+
+    return load_target(TARGET, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def medusa_served(real_target, tmp_path_factory):
+    """A real ``vllm serve`` of the bundled target with Medusa heads exported by draftsmith."""
+    root = tmp_path_factory.mktemp("vllm")
+    make_medusa(real_target, root / "draft", shared=True)
+    out = export_checkpoint(locate_checkpoint(str(root / "draft")), "vllm", root / "vllm")
+    config = {"method": "medusa", "model": str(out), "num_speculative_tokens": 3}
+    with vllm.Server(real_target.model.name_or_path, config, log=root / "server.log") as server:
+        yield root / "draft", server
+
+
+@pytest.fixture(scope="module")
+def plain_served(real_target, tmp_path_factory):
+    with vllm.Server(
+        real_target.model.name_or_path, log=tmp_path_factory.mktemp("vllm") / "plain.log"
+    ) as server:
+        yield server
+
+
+def cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "draftsmith.cli", *argv], capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_served_medusa_is_accepted_as_in_draftsmiths_decoder(medusa_served, tmp_path):
+    draft, server = medusa_served
+    run = cli("eval", "--target", TARGET, "--draft", str(draft), "--server", server.url, "--prompts",
+              "builtin:dev_prompts", "--order", "round-robin", "--limit", "3", "--max-new-tokens", "48", "--k", "3",
+              "--out", str(tmp_path / "eval"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = json.loads((tmp_path / "eval" / "served.json").read_text())
+    served, ours = record["served"], next(iter(record["draftsmith"].values()))
+    assert served["verify_steps_with_drafts"] > 10
+    assert len(served["per_position"]) == 3 and served["per_position_exact"]
+    assert served["tau"] > 1.0  # the blocks are random, yet head 0 agrees with the target now and then
+    assert served["tau"] == pytest.approx(ours["tau"], abs=0.03)
+    assert "served:" in run.stdout and "draftsmith:" in run.stdout
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_server_of_no_draft_or_of_another_model_is_refused(plain_served, tmp_path):
+    from draftsmith.loading import target_tokenizer
+    from draftsmith.openai_client import check_server
+
+    client = CompletionServer(plain_served.url)
+    tokenizer, config, _ = target_tokenizer(TARGET)
+    learned = check_server(client, tokenizer, config.vocab_size)  # vLLM's /v1/models and /tokenize fields
+    assert learned["context"] == plain_served.max_model_len
+    with pytest.raises(ServerError, match="serves no draft"):
+        read_counters(client)
+    run = cli("eval", "--target", TARGET, "--server", plain_served.url, "--prompts", "builtin:dev_prompts",
+              "--limit", "1", "--out", str(tmp_path / "eval"))  # fmt: skip
+    assert run.returncode != 0 and "serves no draft" in run.stderr
+    from tests.tiny import tiny_bpe_tokenizer
+
+    with pytest.raises(ServerError, match="tokenizes differently"):
+        check_server(CompletionServer(plain_served.url), tiny_bpe_tokenizer(), config.vocab_size)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_regenerate_engine_vllm_killed_mid_run_resumes_every_row_once_in_order(tmp_path):
+    from draftsmith.sources import BUILTIN_TRAIN
+    from draftsmith.train.corpus.prompts import first_user_turns
+
+    count = 16
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in first_user_turns(list(BUILTIN_TRAIN), count)))
+    out = tmp_path / "regenerated.jsonl"
+    cmd = [sys.executable, "-m", "draftsmith.cli", "data", "regenerate", "--engine", "vllm", "--target", TARGET,
+           "--data", str(prompts), "--out", str(out), "--max-new-tokens", "48", "--batch-size", "2",
+           "--dtype", "float32"]  # fmt: skip
+    job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and job.poll() is None:
+        if out.exists() and out.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.1)
+    assert job.poll() is None, (
+        f"the job ended before it could be killed: {job.stderr.read().decode()[-2000:]}"
+    )
+    servers = children(job.pid)
+    assert servers, "vLLM should be running under the job"
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait()
+    for _ in range(200):
+        if not any(Path(f"/proc/{pid}").exists() for pid in servers):
+            break
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in servers), "vLLM outlived the killed job"
+    lines = out.read_text().splitlines(keepends=True)
+    done = [json.loads(x) for x in lines if x.endswith("\n")]
+    assert 3 <= len(done) < count
+    finished = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    written = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["source_id"] for r in written] == [f"prompts.jsonl:{i}" for i in range(count)]
+    assert written[0]["generator"]["engine"] == "vLLM"
