@@ -8,12 +8,17 @@ conversations in flight, one engine at a time:
   or transformers' continuous batching), in --dtype (``static`` is today's default on a CPU);
 - ``llamacpp:q4_1``, ``llamacpp:f32``, ``llamacpp:f16``, ``llamacpp:bf16``: ``llama-server`` through the server path
   (``--engine llamacpp``'s code: token ids in, one slot per conversation in flight, one thread per
-  core), on the bundled Q4_1 GGUF or a dequantized F32/F16/BF16 copy of it (server start-up not timed).
+  core), on the bundled Q4_1 GGUF or a dequantized F32/F16/BF16 copy of it (server start-up not timed);
+- ``vllm:bfloat16``, ``vllm:float32``: ``vllm serve`` of the target's safetensors (``--engine vllm``'s code,
+  ``scripts/install_vllm.sh``), as many sequences as conversations in flight (start-up not timed).
 
-A reference run (static, float32) answers the prompts first; each engine's replies are compared with
-it text for text. Prints a table, writes JSON.
+With several --batch-size values every engine runs at each, in turn. A reference run (static, float32)
+answers the prompts first, unless --no-reference; each engine's replies are compared with it text for
+text. Prints a table, writes JSON.
 
     python bench/regenerate_throughput.py --count 256 --max-new-tokens 128 --batch-size 8
+    python bench/regenerate_throughput.py --count 256 --batch-size 8 32 64 --no-reference \
+        --engines static llamacpp:bf16 vllm:bfloat16
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import time
 from pathlib import Path
 
 from draftsmith import llamacpp
-from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.report import hardware_description, provenance, write_json
 from draftsmith.loading import load_causal_lm, resolve_model_path, smollm2_gguf_path
 from draftsmith.openai_client import CompletionServer
 from draftsmith.sources import BUILTIN_TRAIN
@@ -35,7 +40,8 @@ from draftsmith.train.corpus.regenerate import BATCHING, regenerate
 from draftsmith.train.corpus.served import regenerate_served
 
 TARGET = "smollm2-135m-instruct"
-ENGINES = (*BATCHING[1:], "llamacpp:q4_1", "llamacpp:f32", "llamacpp:f16", "llamacpp:bf16")
+ENGINES = (*BATCHING[1:], "llamacpp:q4_1", "llamacpp:f32", "llamacpp:f16", "llamacpp:bf16", "vllm:bfloat16",
+           "vllm:float32")  # fmt: skip
 
 
 def replies(path: Path) -> dict[str, str]:
@@ -87,12 +93,33 @@ def run_llamacpp(quant: str, prompts: Path, out: Path, work: Path, args) -> tupl
 LLAMACPP = f"llama-cpp-python {llamacpp.LLAMACPP_PY_VERSION} sdist"
 
 
+def run_vllm(dtype: str, prompts: Path, out: Path, work: Path, args) -> tuple[object, float, str]:
+    from draftsmith import vllm
+    from draftsmith.loading import target_tokenizer
+
+    tokenizer, config, _ = target_tokenizer(TARGET)
+    seqs = args.batch_size
+    with vllm.Server(resolve_model_path(TARGET)[0], args=["--max-num-seqs", str(seqs)], dtype=dtype,
+                     max_model_len=args.context, log=work / f"vllm-{dtype}-{seqs}.log") as server:  # fmt: skip
+        servers = [CompletionServer(server.url)]
+        settings = dict(max_new_tokens=args.max_new_tokens, in_flight=seqs, progress=False)
+        regenerate_served(tokenizer, [prompts], out.with_suffix(".warm"), servers, config.vocab_size,
+                          limit=seqs, **settings)  # fmt: skip
+        start = time.perf_counter()
+        stats = regenerate_served(tokenizer, [prompts], out, servers, config.vocab_size, **settings)
+        seconds = time.perf_counter() - start
+    return stats, seconds, f"vLLM {vllm.version()} {dtype}, {seqs} sequences, eager"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", nargs="+", default=list(BUILTIN_TRAIN))
     p.add_argument("--count", type=int, default=256, help="prompts answered by each engine")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8, help="conversations in flight, every engine")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[8], help="conversations in flight, every engine (several: each in turn)")  # fmt: skip
+    p.add_argument(
+        "--no-reference", action="store_true", help="skip the float32 reference run and the comparison"
+    )
     p.add_argument(
         "--dtype", default="bfloat16", help="the transformers engines' dtype (the reference is float32)"
     )
@@ -107,37 +134,46 @@ def main() -> None:
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in first_user_turns(args.data, args.count)))
     reference = work / "reference-float32.jsonl"
-    if not reference.exists():
-        stats, seconds, _ = run_transformers("static", "float32", prompts, reference, args)
-        print(f"reference (static, float32): {stats.tokens} tokens in {seconds:.0f} s", flush=True)
-    expected = replies(reference)
+    batches, expected = list(args.batch_size), None
+    if not args.no_reference:
+        if not reference.exists():
+            args.batch_size = batches[0]
+            stats, seconds, _ = run_transformers("static", "float32", prompts, reference, args)
+            print(f"reference (static, float32): {stats.tokens} tokens in {seconds:.0f} s", flush=True)
+        expected = replies(reference)
 
     rows = []
-    print(f"{'engine':<16}{'replies':>8}{'tokens':>9}{'cut':>6}{'seconds':>9}{'replies/s':>10}{'tok/s':>9}{'same':>9}",
+    print(f"{'engine':<16}{'in flight':>10}{'replies':>8}{'tokens':>9}{'cut':>6}{'seconds':>9}{'replies/s':>10}{'tok/s':>9}{'same':>9}",
           flush=True)  # fmt: skip
-    for engine in args.engines:
-        out = work / f"{engine.replace(':', '-')}.jsonl"
+    for batch, engine in ((b, e) for b in batches for e in args.engines):
+        args.batch_size = batch
+        out = work / f"{engine.replace(':', '-')}-{batch}.jsonl"
         out.unlink(missing_ok=True)
         if engine.startswith("llamacpp:"):
             stats, seconds, where = run_llamacpp(engine.split(":")[1], prompts, out, work, args)
+        elif engine.startswith("vllm:"):
+            stats, seconds, where = run_vllm(engine.split(":")[1], prompts, out, work, args)
         else:
             stats, seconds, where = run_transformers(engine, args.dtype, prompts, out, args)
         got = replies(out)
-        same = sum(expected.get(sid) == text for sid, text in got.items())
-        row = {"engine": engine, "where": where, "replies": stats.replies, "tokens": stats.tokens,
+        same = None if expected is None else sum(expected.get(sid) == text for sid, text in got.items())
+        row = {"engine": engine, "in_flight": batch, "where": where, "replies": stats.replies, "tokens": stats.tokens,
                "truncated_replies": stats.truncated_replies, "seconds": round(seconds, 2),
                "replies_per_s": round(stats.replies / seconds, 3), "tokens_per_s": round(stats.tokens / seconds, 2),
-               "same_as_float32_reference": f"{same}/{len(got)}"}  # fmt: skip
+               "same_as_float32_reference": None if same is None else f"{same}/{len(got)}"}  # fmt: skip
         rows.append(row)
-        print(f"{engine:<16}{stats.replies:>8}{stats.tokens:>9}{stats.truncated_replies:>6}{seconds:>9.1f}"
-              f"{row['replies_per_s']:>10.2f}{row['tokens_per_s']:>9.1f}{row['same_as_float32_reference']:>9}",
+        print(f"{engine:<16}{batch:>10}{stats.replies:>8}{stats.tokens:>9}{stats.truncated_replies:>6}{seconds:>9.1f}"
+              f"{row['replies_per_s']:>10.2f}{row['tokens_per_s']:>9.1f}{str(row['same_as_float32_reference']):>9}",
               flush=True)  # fmt: skip
-    by = {r["engine"]: r for r in rows}
-    if "static" in by:
-        for r in rows:
-            r["replies_per_s_over_static"] = round(r["replies_per_s"] / by["static"]["replies_per_s"], 3)
-    write_json(args.out, {"target": TARGET, "date": time.strftime("%Y-%m-%d"), "settings": {k: str(v) for k, v in vars(args).items()},
-                          "rows": rows})  # fmt: skip
+    by = {(r["engine"], r["in_flight"]): r for r in rows}
+    for r in rows:
+        if ("static", r["in_flight"]) in by:
+            r["replies_per_s_over_static"] = round(
+                r["replies_per_s"] / by["static", r["in_flight"]]["replies_per_s"], 3
+            )
+    args.batch_size = batches
+    write_json(args.out, {"target": TARGET, "date": time.strftime("%Y-%m-%d"), "provenance": provenance(),
+                          "settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":
