@@ -116,6 +116,7 @@ def _draft_entry(draft: MethodResult, baseline: MethodResult, categories: list[s
     entry = {
         "name": draft.name,
         "tau": json_number(acc.tau),
+        "tau_drafting": json_number(acc.tau_drafting),
         "alpha": json_number(acc.alpha),
         "per_position": [json_number(x) for x in acc.per_position],
         **_timing_fields(draft.total),

@@ -149,14 +149,17 @@ def served_table(record: dict, k: int | str | None = None) -> str:
     lines = [f"{'method':<28} {'τ':>6} {'α':>6} {'tok/s':>7}  acceptance by position",
              f"{'served: ' + record['server']:<28} {num(served, 'tau', '.3f'):>6} {num(served, 'alpha', '.3f'):>6} "
              f"{num(served, 'tokens_per_s', '.1f'):>7}  {rates(served)}"]  # fmt: skip
-    for name, row in (record.get("draftsmith") or {}).items():
-        lines.append(f"{'draftsmith: ' + name:<28} {num(row, 'tau', '.3f'):>6} {num(row, 'alpha', '.3f'):>6} "
+    for name, row in (record.get("draftsmith") or {}).items():  # τ over drafting steps, as vLLM counts
+        lines.append(f"{'draftsmith: ' + name:<28} {num(row, 'tau_drafting', '.3f'):>6} {num(row, 'alpha', '.3f'):>6} "
                      f"{num(row, 'tokens_per_s', '.1f'):>7}  {rates(row)}")  # fmt: skip
     served_k = len(served.get("accepted_per_position") or [])
     if record.get("draftsmith") and isinstance(k, int) and served_k and served_k != k:
         lines.append(
             f"note: the server drafts {served_k} tokens a step and draftsmith --k {k}: not like for like"
         )
+    if record.get("draftsmith"):
+        lines.append("τ: tokens per verify step that had draft tokens (vLLM's mean acceptance length; draftsmith's "
+                     "tau_drafting)")  # fmt: skip
     if served.get("per_position_exact") is False:
         lines.append(
             "note: the server's drafts varied in length, so its rates by position count every step as full"

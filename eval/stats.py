@@ -99,6 +99,15 @@ class AcceptanceStats:
         return (self.accepted_tokens + steps) / steps if steps else math.nan
 
     @property
+    def tau_drafting(self) -> float:
+        """τ over the verify steps that had draft tokens only, as vLLM's mean acceptance length counts them
+        (its ``spec_decode_num_drafts`` leaves out steps with nothing proposed): equal to τ when every step
+        drafted, above it when some had nothing to propose (an n-gram without a match)."""
+        drafting = {key: n for key, n in self.steps.items() if key[0] > 0}
+        steps = sum(drafting.values())
+        return (sum(a * n for (_, a), n in drafting.items()) + steps) / steps if steps else math.nan
+
+    @property
     def alpha(self) -> float:
         """Accepted draft tokens / proposed draft tokens (nan when nothing was proposed)."""
         proposed = self.proposed_tokens

@@ -97,3 +97,13 @@ def test_stats_of_real_generations_match_committed_tokens(target):
         assert stats.tau * stats.num_steps + 1 == pytest.approx(len(result.tokens))
     # drafting with the target itself: every proposed token is accepted
     assert stats.alpha == 1.0 and all(x == 1.0 for x in stats.per_position)
+
+
+def test_tau_over_drafting_steps_leaves_out_the_steps_that_proposed_nothing():
+    from draftsmith.eval.stats import AcceptanceStats
+
+    # two drafting steps (accept 2 of 3, 0 of 3) and two plain steps (an n-gram without a match)
+    stats = AcceptanceStats.from_lists([2, 0, 0, 0], [3, 3, 0, 0])
+    assert stats.tau == pytest.approx((2 + 4) / 4)
+    assert stats.tau_drafting == pytest.approx((2 + 2) / 2)  # what vLLM's mean acceptance length counts
+    assert AcceptanceStats.from_lists([1, 2], [3, 3]).tau_drafting == AcceptanceStats.from_lists([1, 2], [3, 3]).tau
