@@ -390,19 +390,23 @@ def test_an_imported_variant_is_not_exported_as_a_plain_head(tiny, tmp_path, cap
     assert "feature_input_norm" in capsys.readouterr().err and not (tmp_path / "mo.gguf").exists()
 
 
-def test_gguf_of_an_imported_head_is_the_gguf_of_the_head(tiny, tmp_path):
-    """Read a reference-layout head, export it to llama.cpp: the same file as exporting the head it came from
-    (and, where llama.cpp is built, its speculative output is the target's own)."""
-    import gguf
-
-    target = tiny["target"]
-    head = draftsmith_head(target)
+def imported_head_gguf(tiny, tmp_path):
+    """(the head, the GGUF of it read back from the reference layout by ``draftsmith export --to gguf``)."""
+    head = draftsmith_head(tiny["target"])
     folder = reference_layout(head, tmp_path / "ref")
     gguf_file = tmp_path / "imported.gguf"
     argv = ["export", str(folder), "--to", "gguf", "--target", str(tiny["dir"]), "--target-gguf", str(tiny["gguf"]),
             "--gguf-dtype", "f32", "--out", str(gguf_file)]  # fmt: skip
     assert main(argv) == 0
     assert verify_export(gguf_file, "gguf")
+    return head, gguf_file
+
+
+def test_gguf_of_an_imported_head_is_the_gguf_of_the_head(tiny, tmp_path):
+    """Read a reference-layout head, export it to llama.cpp: the same file as exporting the head it came from."""
+    import gguf
+
+    head, gguf_file = imported_head_gguf(tiny, tmp_path)
     head.save_pretrained(tmp_path / "own")
     own = export_checkpoint(locate_checkpoint(str(tmp_path / "own")), "gguf", tmp_path / "own.gguf", "f32",
                             str(tiny["gguf"]))  # fmt: skip
@@ -412,8 +416,12 @@ def test_gguf_of_an_imported_head_is_the_gguf_of_the_head(tiny, tmp_path):
     assert {t.name for t in theirs.tensors} == set(tensors)
     for t in theirs.tensors:
         assert (t.data == tensors[t.name]).all(), t.name
-    if llamacpp.available():
-        run_in_llamacpp(target, tiny["gguf"], gguf_file)
+
+
+@pytest.mark.skipif(not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})")
+def test_llamacpp_decodes_with_an_imported_heads_gguf_as_the_target_would(tiny, tmp_path):
+    _, gguf_file = imported_head_gguf(tiny, tmp_path)
+    run_in_llamacpp(tiny["target"], tiny["gguf"], gguf_file)
 
 
 def run_in_llamacpp(target, target_gguf: Path, head_gguf: Path) -> None:
@@ -509,7 +517,7 @@ def test_greedy_decoding_with_the_peers_head_is_the_targets_own(peer_head, tiny)
     assert generate(target, prompt, drafter, k=4, max_new_tokens=24).tokens == plain, peer
 
 
-def test_specforges_head_exports_to_llamacpp(peer_head, tiny, tmp_path):
+def specforge_gguf(peer_head, tiny, tmp_path) -> Path:
     peer, folder, _ = peer_head
     if peer != "specforge":
         pytest.skip("only the plain reference layout has a GGUF (the variants have no llama.cpp form here)")
@@ -517,8 +525,16 @@ def test_specforges_head_exports_to_llamacpp(peer_head, tiny, tmp_path):
     argv = ["export", str(folder), "--to", "gguf", "--target", str(tiny["dir"]), "--target-gguf", str(tiny["gguf"]),
             "--gguf-dtype", "f32", "--out", str(gguf_file)]  # fmt: skip
     assert main(argv) == 0 and verify_export(gguf_file, "gguf")
-    if llamacpp.available():
-        run_in_llamacpp(tiny["target"], tiny["gguf"], gguf_file)
+    return gguf_file
+
+
+def test_specforges_head_exports_to_gguf(peer_head, tiny, tmp_path):
+    specforge_gguf(peer_head, tiny, tmp_path)
+
+
+@pytest.mark.skipif(not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})")
+def test_specforges_head_decodes_in_llamacpp_as_the_target_would(peer_head, tiny, tmp_path):
+    run_in_llamacpp(tiny["target"], tiny["gguf"], specforge_gguf(peer_head, tiny, tmp_path))
 
 
 if __name__ == "__main__":
