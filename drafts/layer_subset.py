@@ -57,4 +57,6 @@ def _build(target, arg: str) -> Drafter:
 
 
 register(DraftKind(LAYERS, "layer-subset drafter", _build, "training-free",
-                   refusal="it is the target's own first layers: nothing to export"))  # fmt: skip
+                   refusal="it has no weights of its own (it is the target's first N layers, final norm and LM head); an "
+                   "engine serves it as a small draft model: save the target with only its first N layers "
+                   "(transformers, num_hidden_layers=N) and serve that (vLLM: method draft_model)"))  # fmt: skip

@@ -4,11 +4,16 @@ What every such server needs, once: a free local port, a child process that the 
 draftsmith dies (even by SIGKILL: a killed job must not leave an engine's threads spinning), a wait for
 its health endpoint that shows the log's tail when it exits early, a stop that escalates to SIGKILL, and
 JSON over HTTP. An engine's module subclasses ``LocalServer`` with its command line.
+
+An engine that starts processes of its own (vLLM: an engine core and workers, which outlive a killed API
+server) runs under ``supervise`` (``whole_tree``): a small process of draftsmith's that starts the engine
+in a session of its own and, when told to stop or when draftsmith dies, ends every process in it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -19,13 +24,44 @@ import urllib.request
 from pathlib import Path
 
 
-def die_with_parent() -> None:
-    """In the server's process, before it runs: on Linux, have the kernel end it when the process that
-    started it dies, even by SIGKILL."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In the server's process, before it runs: on Linux, have the kernel send it ``sig`` when the process
+    that started it dies, even by SIGKILL."""
     if sys.platform.startswith("linux"):
         import ctypes
 
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None).prctl(1, sig)  # PR_SET_PDEATHSIG
+
+
+def _term_with_parent() -> None:
+    die_with_parent(signal.SIGTERM)  # the supervisor catches it and ends the engine's whole session
+
+
+def supervise(cmd: list[str], parent: int, grace: float = 10.0) -> int:
+    """Run ``cmd`` in a session of its own; on SIGTERM (a stop, or the death of ``parent``, the process that
+    started this one: see ``_term_with_parent``) end every process of that session, SIGTERM then SIGKILL."""
+    child = subprocess.Popen(cmd, start_new_session=True)
+
+    def end_session(*_) -> None:
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0)):
+            try:
+                os.killpg(child.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and child.poll() is None:
+                time.sleep(0.1)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, end_session)
+    if os.getppid() != parent:  # draftsmith died before this process could be told when it does
+        end_session()
+    code = child.wait()
+    try:
+        os.killpg(child.pid, signal.SIGKILL)  # what the engine left behind when it exited by itself
+    except ProcessLookupError:
+        pass
+    return code
 
 
 def free_port() -> int:
@@ -39,6 +75,8 @@ class LocalServer:
 
     title = "server"
     """What errors call it (``llama-server``, ``vLLM``)."""
+    whole_tree = False
+    """Run under ``supervise``, so that the processes the engine starts end with it."""
 
     def __init__(self, log: str | Path | None = None, start_timeout: float = 120.0):
         self.log, self.start_timeout = log, start_timeout
@@ -64,10 +102,13 @@ class LocalServer:
     def __enter__(self):
         out = open(self.log, "w") if self.log else subprocess.DEVNULL  # noqa: SIM115 (closed in __exit__)
         self._log_file = out if self.log else None
+        cmd, preexec = self.command(), die_with_parent
+        if self.whole_tree:
+            cmd = [sys.executable, "-m", "draftsmith.servers", str(os.getpid()), *cmd]
+            preexec = _term_with_parent
         self._proc = subprocess.Popen(
-            self.command(), stdout=out, stderr=subprocess.STDOUT, env=self.environment(),
-            preexec_fn=die_with_parent,
-        )  # fmt: skip
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=self.environment(), preexec_fn=preexec
+        )
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -108,3 +149,7 @@ class LocalServer:
         )
         with urllib.request.urlopen(request, timeout=timeout) as r:
             return json.loads(r.read())
+
+
+if __name__ == "__main__":
+    sys.exit(supervise(sys.argv[2:], int(sys.argv[1])))

@@ -83,6 +83,7 @@ class Server(LocalServer):
     """
 
     title = "vLLM"
+    whole_tree = True  # its engine core and workers outlive a killed API server otherwise
 
     def __init__(self, model: str | Path, speculative_config: dict | None = None, args: list[str] | None = None,
                  log: str | Path | None = None, start_timeout: float = 600.0, dtype: str = "float32",
