@@ -123,13 +123,6 @@ class Server(LocalServer):
             where = f" with the draft {draft}" if draft else ""
             raise RuntimeError(f"vLLM could not serve {self.model}{where}: {err}") from err
 
-    def complete(self, prompt: list[int], max_tokens: int, timeout: float = 600.0) -> list[int]:
-        """Greedy completion of token ids; the generated token ids."""
-        body = {"model": self.model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0.0,
-                "return_token_ids": True, "ignore_eos": False}  # fmt: skip
-        answer = self.post("/v1/completions", body, timeout)
-        return list(answer["choices"][0]["token_ids"])
-
 
 _SAMPLE = re.compile(r"^(vllm:spec_decode_[a-z_]+?)(?:_total)?(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$")
 
