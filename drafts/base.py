@@ -90,6 +90,7 @@ EAGLE3 = "eagle3"
 MIRROR = "mirror"
 DISTILL = "distill"
 MEDUSA = "medusa"
+DFLASH = "dflash"
 NGRAM = "ngram"
 LAYERS = "layers"
 """The kinds' names, spelled here once (beside ``PEER_EAGLE3``) so that the registry, recipes, train's
@@ -100,6 +101,7 @@ KIND_MODULES = {
     EAGLE3: "draftsmith.drafts.eagle",
     DISTILL: "draftsmith.drafts.distill",
     MEDUSA: "draftsmith.drafts.medusa",
+    DFLASH: "draftsmith.drafts.dflash",
     NGRAM: "draftsmith.drafts.ngram",
     LAYERS: "draftsmith.drafts.layer_subset",
     MIRROR: "draftsmith.drafts.mirror",

@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from draftsmith.drafts.base import DISTILL, EAGLE1, EAGLE3, MEDUSA, MIRROR, draft_kind, kind_names
+from draftsmith.drafts.base import DFLASH, DISTILL, EAGLE1, EAGLE3, MEDUSA, MIRROR, draft_kind, kind_names
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +35,7 @@ OBJECTIVE_MODULES = {
     MIRROR: "draftsmith.train.objectives.eagle",
     MEDUSA: "draftsmith.train.objectives.medusa",
     DISTILL: "draftsmith.train.objectives.distill",
+    DFLASH: "draftsmith.train.objectives.dflash",
 }
 """Trainable kind → the module that registers its objective (imported the first time the kind is asked
 for). A kind of ``drafts/`` missing here needs no training (n-gram, layer subset, another pipeline's head)."""

@@ -1,0 +1,259 @@
+"""DFlash block drafters (drafts/dflash.py, train/objectives/dflash.py) on tiny random targets."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from test_eagle import make_teacher, self_distilled_batch, train
+from test_verify import verify_resampling_from_p
+from tiny import tiny_model, tiny_target, tiny_tokenizer
+
+import draftsmith.decode.speculative as speculative
+from draftsmith.decode.sampling import Sampling, to_probs
+from draftsmith.decode.speculative import generate
+from draftsmith.drafts.base import build_drafter
+from draftsmith.drafts.dflash import DFlashConfig, DFlashDraft, DFlashDrafter
+from draftsmith.train.config import load_config
+from draftsmith.train.objective import Batch, Teacher
+from draftsmith.train.registry import build_objective, check_objective_options
+
+ARCHS = ["llama", "qwen3", "gemma2"]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def target(request):
+    return tiny_target(request.param, layers=4)
+
+
+def trained(target, block_size: int, steps: int = 40, **options):
+    """A draft trained on the target's own greedy continuations (so decoding accepts some of its blocks)."""
+    batch = self_distilled_batch(target)
+    objective = build_objective(
+        "dflash", target, {"block_size": block_size, "anchors_per_row": 16, **options}
+    )
+    teacher = make_teacher(target, batch, objective.capture_layers, 64)
+    draft, losses, logs = train(objective, batch, teacher, steps=steps)
+    return objective, draft, batch, teacher, losses, logs
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+def test_greedy_output_is_the_targets_and_trained_blocks_are_accepted(target, block_size):
+    objective, draft, batch, teacher, losses, logs = trained(target, block_size)
+    assert losses[-1] < 0.8 * losses[0] and {"acc_0", "tokens"} <= set(logs)
+    drafter = DFlashDrafter(draft, target.model)
+    prompt = batch.input_ids[0, :6]
+    reference = generate(target, prompt, None, max_new_tokens=24).tokens
+    for k in (block_size - 1, 2, block_size + 3, "auto"):
+        result = generate(target, prompt, drafter, k, 24)
+        assert result.tokens == reference, k
+        assert max(result.proposed, default=0) <= block_size - 1  # a block drafts block_size - 1 at most
+    full = generate(target, prompt, drafter, block_size - 1, 24)
+    assert sum(full.accepted) > 0  # trained on this very continuation
+    untrained = DFlashDrafter(objective.build_draft().eval(), target.model)
+    assert generate(target, prompt, untrained, block_size - 1, 24).tokens == reference
+
+
+def test_an_end_of_sequence_inside_a_block_ends_the_output_where_the_target_does(target):
+    _, draft, batch, _, _, _ = trained(target, 8)
+    drafter = DFlashDrafter(draft, target.model)
+    prompt = batch.input_ids[0, :6]
+    reference = generate(target, prompt, None, max_new_tokens=24).tokens
+    saved = target.eos_ids
+    try:
+        for cut in (3, 9):
+            target.eos_ids = {reference[cut]}
+            expected = generate(target, prompt, None, max_new_tokens=24)
+            result = generate(target, prompt, drafter, 7, 24)
+            assert result.tokens == expected.tokens and result.stopped_by == expected.stopped_by == "eos"
+    finally:
+        target.eos_ids = saved
+
+
+def test_training_logits_for_an_anchor_equal_the_decoders(target):
+    objective, draft, batch, teacher, _, _ = trained(target, 8, steps=5)
+    row = Batch(batch.input_ids[:1], batch.attention_mask[:1], batch.loss_mask[:1])
+    teacher = Teacher({i: f[:1] for i, f in teacher.features.items()})
+    for anchor in (6, 11):
+        anchors = torch.tensor([[anchor]])
+        train_logits = objective.block_logits(
+            draft, row, teacher, anchors, torch.ones_like(anchors, dtype=torch.bool)
+        )
+        drafter = DFlashDrafter(draft, target.model)
+        with torch.no_grad():
+            drafter.begin(
+                row.input_ids[0, :anchor],
+                {i: teacher.features[i][0, :anchor] for i in drafter.capture_layers},
+            )
+            decode_logits = drafter.block_logits(int(row.input_ids[0, anchor]), anchor)
+        torch.testing.assert_close(train_logits[0, 0].float(), decode_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_rows_see_only_their_own_conversation(target):
+    """A block in the second conversation of a packed row gives the logits it gives in a row of its own."""
+    objective, draft, batch, _, _, _ = trained(target, 4, steps=3)
+    a, b = batch.input_ids[0, :14], batch.input_ids[1, :12]
+    packed = torch.cat([a, b])[None]
+    positions = torch.cat([torch.arange(14), torch.arange(12)])[None]
+    ones = torch.ones_like(packed)
+    alone = Batch(b[None], torch.ones_like(b[None]), torch.ones_like(b[None]))
+    layers = objective.capture_layers
+    with torch.no_grad():
+        t_packed = make_teacher(target, Batch(packed, ones, ones), layers, 4)
+        t_alone = make_teacher(target, alone, layers, 4)
+    for i in layers:  # the packed teacher's second half: the second conversation's own features
+        t_packed.features[i][0, 14:] = t_alone.features[i][0]
+    got = objective.block_logits(draft, Batch(packed, ones, ones, positions), t_packed, torch.tensor([[14 + 7]]),
+                                 torch.tensor([[True]]))  # fmt: skip
+    want = objective.block_logits(draft, alone, t_alone, torch.tensor([[7]]), torch.tensor([[True]]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- sampling: the committed tokens keep the target's distribution ----------------------------------
+
+LENGTH, SAMPLES, BOUND = 3, 1500, 4.5
+SAMPLING = Sampling(temperature=4.0, top_k=3)  # the tiny target's logits are sharpened x20
+
+
+def exact_distribution(target, prompt) -> dict[tuple[int, ...], float]:
+    """P(first LENGTH tokens) of the target alone under SAMPLING, enumerated over the top-k supports."""
+    frontier = [((), 1.0)]
+    for _ in range(LENGTH):
+        grown = []
+        for seq, p in frontier:
+            target.reset()
+            dist = to_probs(target.forward(torch.tensor(prompt.tolist() + list(seq))).logits[-1], SAMPLING)
+            grown += [((*seq, tok), p * float(dist[tok])) for tok in dist.nonzero().view(-1).tolist()]
+        frontier = grown
+    return dict(frontier)
+
+
+def max_normalised_deviation(target, drafter, prompt, exact) -> tuple[float, int]:
+    g = torch.Generator().manual_seed(1234)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    for _ in range(SAMPLES):
+        result = generate(target, prompt, drafter, 3, LENGTH, SAMPLING, g)
+        seq = tuple(result.tokens[:LENGTH])
+        counts[seq] = counts.get(seq, 0) + 1
+        accepted += sum(result.accepted)
+    if set(counts) - set(exact):
+        return math.inf, accepted
+    worst = max(
+        abs(counts.get(s, 0) / SAMPLES - p) / math.sqrt(p * (1 - p) / SAMPLES) for s, p in exact.items()
+    )
+    return worst, accepted
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    """A draft trained briefly on each continuation the target can sample after the prompt: its blocks overlap
+    the target's top-k without matching it, so drafts are accepted and rejected, and a wrong residual shows."""
+    target = tiny_target("llama", layers=4)
+    target.eos_ids = set()  # every sample is LENGTH tokens long
+    prompt = torch.randint(0, 256, (6,), generator=torch.Generator().manual_seed(1))
+    target.reset()
+    firsts = to_probs(target.forward(prompt).logits[-1], SAMPLING).nonzero().view(-1).tolist()
+    rows = []
+    for first in firsts:
+        start = torch.cat([prompt, torch.tensor([first])])
+        rows.append(torch.cat([start, torch.tensor(generate(target, start, None, max_new_tokens=8).tokens)]))
+    ids = torch.stack(rows)
+    learnt = torch.zeros_like(ids)
+    learnt[:, len(prompt) :] = 1
+    batch = Batch(ids, torch.ones_like(ids), learnt)
+    objective = build_objective("dflash", target, {"block_size": 4})
+    draft, _, _ = train(objective, batch, make_teacher(target, batch, objective.capture_layers, 64), steps=15)
+    return target, DFlashDrafter(draft, target.model), prompt, exact_distribution(target, prompt)
+
+
+def test_sampled_dflash_decoding_keeps_the_target_distribution(sampling_setup):
+    target, drafter, prompt, exact = sampling_setup
+    worst, accepted = max_normalised_deviation(target, drafter, prompt, exact)
+    assert accepted > SAMPLES // 20 and worst < BOUND  # drafts were accepted, and the law is the target's
+
+
+def test_a_broken_rule_fails_the_same_test(sampling_setup, monkeypatch):
+    target, drafter, prompt, exact = sampling_setup
+    monkeypatch.setattr(speculative, "verify_sampled", verify_resampling_from_p)
+    worst, _ = max_normalised_deviation(target, drafter, prompt, exact)
+    assert worst > BOUND
+
+
+def test_sampled_proposals_carry_their_distributions(target):
+    drafter = DFlashDrafter(
+        build_objective("dflash", target, {"block_size": 4}).build_draft().eval(), target.model
+    )
+    prompt = torch.randint(0, 256, (7,))
+    target.set_capture(drafter.capture_layers)
+    target.reset()
+    drafter.begin(prompt, target.forward(prompt).features)
+    committed = torch.cat([prompt, prompt[-1:]])  # the prefill's token has no features yet
+    proposal = drafter.propose(committed, 5, SAMPLING, torch.Generator().manual_seed(0))
+    assert proposal.probs.shape == (3, target.vocab_size)
+    assert torch.allclose(proposal.probs.sum(-1), torch.ones(3))
+    assert bool((proposal.probs[torch.arange(3), proposal.tokens] > 0).all())
+    target.set_capture(())
+    with pytest.raises(ValueError, match="needs the target's features"):
+        drafter.begin(prompt, None)
+
+
+# ---- bad input ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"block_size": 1}, "block_size 1: a block holds the last token and at least one slot"),
+        ({"block_size": 65}, "block_size 65"),
+        ({"mask_token_id": 259}, "mask_token_id 259 is not a token of the target's vocabulary"),
+        ({"mask_token_id": -1}, "mask_token_id -1"),
+        ({"capture_layer_ids": [2, 0]}, "must be strictly increasing.*write them as \\[0, 2\\]"),
+        ({"capture_layer_ids": [0, 3]}, "\\[3\\] outside 0..2"),
+        ({"capture_layer_ids": [0, 9]}, "\\[9\\] outside 0..2"),
+        ({"anchors_per_row": 0}, "anchors_per_row must be >= 1"),
+        ({"blok_size": 8}, "Did you mean 'block_size'"),
+    ],
+)
+def test_bad_options_are_refused_naming_what_and_why(options, match):
+    with pytest.raises(ValueError, match=match):
+        check_objective_options("dflash", options)
+        build_objective("dflash", tiny_target("llama", layers=4), options)
+
+
+def test_a_draft_for_another_target_is_refused(tmp_path):
+    llama = tiny_target("llama", layers=4)
+    DFlashDraft(DFlashConfig.for_target(llama, block_size=4)).save_pretrained(tmp_path / "d")
+    assert isinstance(build_drafter(str(tmp_path / "d"), llama), DFlashDrafter)
+    with pytest.raises(ValueError, match="DFlash draft was trained for target .* hidden_size differs"):
+        build_drafter(str(tmp_path / "d"), tiny_target("llama", layers=4, hidden=48))
+
+
+def test_trains_in_the_loop_and_loads_as_a_drafter(tmp_path):
+    """The debug recipe through the one loop on a tiny saved target; the run loads as a DFlash drafter."""
+    from draftsmith.train.loop import train as train_loop
+
+    target_dir, data = tmp_path / "target", tmp_path / "convs.jsonl"
+    tiny_model("llama", layers=4).save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    with data.open("w") as f:
+        for i in range(12):
+            turns = [
+                {"from": "human", "value": f"count from {i}"},
+                {"from": "gpt", "value": f"{i} {i + 1} {i + 2}"},
+            ]
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    config = load_config(
+        "configs/debug_dflash.yaml",
+        [f"--target.spec={target_dir}", f"--data.paths=[{data}]", f"--output.dir={tmp_path / 'run'}",
+         "--trainer.max_steps=2", "--trainer.val_every=2", "--trainer.batch_size=4"],
+    )  # fmt: skip
+    result = train_loop(config, enable_progress_bar=False)
+    assert result.steps == 2 and 1.0 <= result.val["tau"] <= 1.0 + config.trainer.val_k
+    loaded = tiny_target("llama", layers=4)
+    drafter = build_drafter(str(tmp_path / "run"), loaded)
+    assert isinstance(drafter, DFlashDrafter) and drafter.draft.config.block_size == 8
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    assert generate(loaded, prompt, drafter, 7, 16).tokens == generate(loaded, prompt, None, 0, 16).tokens

@@ -1,0 +1,206 @@
+"""DFlash objective: the block drafter of ``drafts/dflash.py`` trained on the target's tapped features.
+
+Anchors. Per row, up to ``anchors_per_row`` positions a are drawn at random among those where token a
+and token a+1 are learnt (so a is a token the target produced, as the last committed token is when
+decoding drafts a block after it; an answer's first token comes from the prefill and anchors nothing).
+All of a row's blocks run in one forward of the draft: block a is ``[token a, MASK × (Q - 1)]`` at
+positions a..a+Q-1 and sees the target's features strictly before a in its own conversation (packed
+rows hold several) and every slot of itself — exactly what decoding gives it (``DFlashDrafter``).
+
+Loss. Slot i (1..Q-1) of block a stands in for token a+i: it is scored against the target's next-token
+distribution at a+i-1 (soft CE on the teacher's top-k, renormalised; the default) or the target's
+greedy token there (``hard_labels``), where token a+i is learnt and in a's conversation; slots weigh
+``exp(-(i-1)/gamma)`` (later slots count only when every earlier one was accepted).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.drafts.base import DFLASH
+from draftsmith.drafts.dflash import DFlashConfig, DFlashDraft, block_inputs
+from draftsmith.drafts.eagle_parts import packed_segments
+from draftsmith.train.losses import soft_topk_cross_entropy
+from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.objectives.common import chain_starts, same_conversation, shift_left, teacher_greedy
+from draftsmith.train.registry import check_options, register_objective
+
+DEFAULT_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
+"""The paper's position-weight decay per block size; other sizes take block_size / 2."""
+VALIDATION_ANCHORS = 128
+"""Blocks per forward when validation runs a block at every chain start of a row."""
+
+
+class DFlashObjective(Objective):
+    """DFlash draft + position-weighted (soft or hard) cross-entropy; see the module docstring."""
+
+    kind = DFLASH
+
+    def __init__(
+        self,
+        target,
+        num_layers: int = 1,
+        block_size: int = 8,
+        capture_layer_ids: list[int] | None = None,
+        mask_token_id: int | None = None,
+        anchors_per_row: int = 64,
+        gamma: float | None = None,
+        hard_labels: bool = False,
+        teacher_topk: int = 64,
+    ):
+        """``num_layers`` draft decoder layers; ``block_size`` Q (the block drafts Q - 1 tokens per forward);
+        ``capture_layer_ids`` the target layers read (strictly increasing; default EAGLE-3's low / middle /
+        high); ``mask_token_id`` the token embedded at the slots to draft (default: the tokenizer's mask,
+        unknown or padding token); ``anchors_per_row`` blocks trained per row and step; ``gamma`` the
+        position-weight decay (default 4 / 5 / 7 for blocks of 8 / 10 / 16, else Q / 2); ``hard_labels``
+        CE on the target's greedy token instead of its top-k distribution."""
+        self.target = target
+        self.config = DFlashConfig.for_target(
+            target, num_layers, block_size, capture_layer_ids, mask_token_id
+        )
+        self.capture_layers = tuple(self.config.capture_layer_ids)
+        if anchors_per_row < 1:
+            raise ValueError(f"draft.options.anchors_per_row must be >= 1, got {anchors_per_row}")
+        self.anchors_per_row = int(anchors_per_row)
+        gamma = (
+            DEFAULT_GAMMA.get(self.config.block_size, self.config.block_size / 2) if gamma is None else gamma
+        )
+        if gamma <= 0:
+            raise ValueError(f"draft.options.gamma must be > 0, got {gamma}")
+        self.slot_weights = [math.exp(-i / gamma) for i in range(self.config.block_size - 1)]
+        self.hard_labels = bool(hard_labels)
+        self.teacher_topk = 1 if self.hard_labels else int(teacher_topk)
+        if self.teacher_topk < 1:
+            raise ValueError(f"draft.options.teacher_topk must be >= 1, got {teacher_topk}")
+        model = target.model
+        self.embed_weight = model.get_input_embeddings().weight  # the target's, shared: never copied
+        self.lm_head = model.get_output_embeddings()
+
+    def build_draft(self) -> DFlashDraft:
+        draft = DFlashDraft(DFlashConfig.from_dict(self.config.to_dict()))
+        draft.init_from_target(self.target.model)
+        return draft
+
+    def block_logits(self, draft: nn.Module, batch: Batch, teacher: Teacher, anchors: torch.Tensor,
+                     keep: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Logits [B, N, Q - 1, V] of the blocks at ``anchors`` [B, N] (``keep`` marks real ones)."""
+        real = batch.attention_mask.bool()
+        T = real.shape[1]
+        positions = (
+            batch.position_ids
+            if batch.position_ids is not None
+            else (real.long().cumsum(-1) - 1).clamp_min(0)
+        )
+        tokens = batch.input_ids.gather(1, anchors)
+        ids, block_positions = block_inputs(
+            tokens, positions.gather(1, anchors), self.config.block_size, self.config.mask_token_id
+        )
+        segments = (
+            packed_segments(positions) if batch.position_ids is not None else torch.zeros_like(positions)
+        )
+        columns = torch.arange(T, device=anchors.device)
+        context_mask = (
+            (columns[None, None, :] < anchors[..., None])
+            & (segments[:, None, :] == segments.gather(1, anchors)[..., None])
+            & real[:, None, :]
+            & keep[..., None]
+        )
+        features = {i: teacher.features[i] for i in self.capture_layers}
+        hidden = draft(F.embedding(ids, self.embed_weight), block_positions, context_mask, features=features,
+                       feature_positions=positions)  # fmt: skip
+        return self.lm_head(hidden[:, :, 1:].to(self.lm_head.weight.dtype))
+
+    def slot_labels(self, batch: Batch, teacher: Teacher, anchors: torch.Tensor, keep: torch.Tensor):
+        """Per slot i of each block: where it counts [B, N, Q - 1] and the teacher's index (row, position a+i-1)."""
+        B, T = batch.input_ids.shape
+        offsets = torch.arange(1, self.config.block_size, device=anchors.device)
+        label_pos = anchors[..., None] + offsets  # token a+i
+        inside = label_pos < T
+        label_pos = label_pos.clamp(max=T - 1)
+        learnt = (
+            (batch.loss_mask.bool() & batch.attention_mask.bool())
+            .gather(1, label_pos.view(B, -1))
+            .view_as(label_pos)
+        )
+        if batch.position_ids is None:
+            same = torch.ones_like(inside)
+        else:
+            segments = packed_segments(batch.position_ids)
+            same = (
+                segments.gather(1, label_pos.view(B, -1)).view_as(label_pos)
+                == segments.gather(1, anchors)[..., None]
+            )
+        counts = keep[..., None] & inside & learnt & same
+        return counts, label_pos - 1
+
+    def sample_anchors(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up to ``anchors_per_row`` anchors per row [B, N] drawn where tokens a and a+1 are learnt (and
+        in one conversation), and which of them are real [B, N] (a row with fewer has padding)."""
+        learnt = batch.loss_mask.bool() & batch.attention_mask.bool()
+        valid = learnt & shift_left(learnt, 1) & same_conversation(batch, 1)
+        n = max(1, min(self.anchors_per_row, int(valid.sum(-1).max())))
+        scores = torch.rand(valid.shape, device=valid.device).masked_fill(~valid, 2.0)
+        anchors = scores.argsort(-1)[:, :n]
+        keep = valid.gather(1, anchors)
+        return anchors.where(keep, torch.zeros_like(anchors)), keep
+
+    def loss(self, draft: nn.Module, batch: Batch, teacher: Teacher) -> dict[str, torch.Tensor]:
+        anchors, keep = self.sample_anchors(batch)
+        counts, teacher_pos = self.slot_labels(batch, teacher, anchors, keep)
+        logits = self.block_logits(draft, batch, teacher, anchors, keep)  # [B, N, Q-1, V]
+        B = anchors.shape[0]
+        rows = torch.arange(B, device=anchors.device)[:, None, None].expand_as(teacher_pos)
+        greedy = teacher_greedy(teacher)[rows, teacher_pos]
+        selected = logits[counts].float()
+        if self.hard_labels:
+            ce = F.cross_entropy(selected, greedy[counts], reduction="none")
+        else:
+            ce, _ = soft_topk_cross_entropy(
+                selected,
+                teacher.topk_logits[rows, teacher_pos][counts],
+                teacher.topk_ids[rows, teacher_pos][counts],
+            )
+        weights = torch.tensor(self.slot_weights, device=ce.device).expand_as(counts)[counts]
+        total = (weights * ce).sum() / weights.sum().clamp_min(1e-9)
+        hits = (logits.argmax(-1) == greedy) & counts
+        logs = {"tokens": counts[..., 0].sum().float()}
+        for i in range(min(4, counts.shape[-1])):
+            logs[f"acc_{i}"] = hits[..., i].sum().float() / counts[..., i].sum().clamp_min(1)
+        return {"loss": total, **logs}
+
+    @torch.no_grad()
+    def chain_lengths(
+        self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted [B, T], starts [B, T]) for ``decoding_walk``: a chain starting after t is the block
+        anchored at t+1; it accepts its leading slots whose argmax equals the target's greedy token."""
+        starts = chain_starts(batch, k)
+        accepted = torch.zeros(starts.shape, dtype=torch.long, device=starts.device)
+        n = min(k, self.config.block_size - 1)
+        if n < 1 or not starts.any():
+            return accepted, starts
+        greedy = teacher_greedy(teacher)
+        for b in range(starts.shape[0]):
+            (cols,) = starts[b].nonzero(as_tuple=True)
+            row = Batch(*(x[b : b + 1] if x is not None else None for x in
+                          (batch.input_ids, batch.attention_mask, batch.loss_mask, batch.position_ids)))  # fmt: skip
+            feats = Teacher({i: teacher.features[i][b : b + 1] for i in self.capture_layers})
+            for c in cols.split(VALIDATION_ANCHORS):
+                anchors = (c + 1)[None]  # the block after start t is anchored on token t+1
+                logits = self.block_logits(
+                    draft, row, feats, anchors, torch.ones_like(anchors, dtype=torch.bool)
+                )
+                expected = torch.stack([greedy[b, c + 1 + j] for j in range(n)], dim=-1)  # target's t+2+j
+                matches = logits[0, :, :n].argmax(-1) == expected
+                accepted[b, c] = matches.long().cumprod(-1).sum(-1)
+        return accepted, starts
+
+
+@register_objective(DFLASH, check=lambda options: check_options(DFlashObjective, DFLASH, options))
+def _build(target, options: dict, token_counts=None) -> DFlashObjective:
+    check_options(DFlashObjective, DFLASH, options)
+    return DFlashObjective(target, **options)
