@@ -36,7 +36,7 @@ from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import build_drafter
-from draftsmith.drafts.base import EAGLE3, LAYERS, MEDUSA, NGRAM, PEER_EAGLE3
+from draftsmith.drafts.base import DFLASH, EAGLE3, LAYERS, MEDUSA, NGRAM, PEER_EAGLE3
 from draftsmith.eval.harness import evaluate
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.eval.report import bench_record, write_json
@@ -81,13 +81,16 @@ def layer_subset_model(target_dir: str, n: int, out: Path) -> Path:
 
 def settings(args, target_dir: str, work: Path) -> list[Setting]:
     """Every draft, exported for vLLM under ``work``, with its vLLM speculative config."""
-    found = [Setting("alone", None, None, 0),
-             Setting(NGRAM, f"{NGRAM}:3", {"method": "ngram", "num_speculative_tokens": args.k,
-                                           "prompt_lookup_max": 3, "prompt_lookup_min": 1}, args.k)]  # fmt: skip
+    found = [Setting("alone", None, None, 0)]
+    if not args.no_ngram:
+        found.append(Setting(NGRAM, f"{NGRAM}:3", {"method": "ngram", "num_speculative_tokens": args.k,
+                                                   "prompt_lookup_max": 3, "prompt_lookup_min": 1}, args.k))  # fmt: skip
     heads = dict(h.split("=", 1) if "=" in h else (Path(h).name, h) for h in args.head or ())
     drafts = [(f"{EAGLE3}:{n}", r) for n, r in heads.items()]
     drafts += [(MEDUSA, args.medusa)] if args.medusa else []
     drafts += [("small", args.small)] if args.small else []
+    drafts += [(f"{DFLASH}:{n}", r) for n, r in
+               (d.split("=", 1) if "=" in d else (Path(d).name, d) for d in args.dflash or ())]  # fmt: skip
     for name, run in drafts:
         ckpt = locate_checkpoint(run)
         if ckpt.kind.name == PEER_EAGLE3:  # a peer pipeline's head: read for the target first
@@ -95,8 +98,11 @@ def settings(args, target_dir: str, work: Path) -> list[Setting]:
         out = work / f"{name.replace(':', '-')}-vllm"
         if not (out / "config.json").is_file():
             export_checkpoint(ckpt, "vllm", out)
-        method = {"eagle": "eagle3", "medusa": "medusa", "causal_lm": "draft_model"}[ckpt.kind.family]
+        method = {"eagle": "eagle3", "medusa": "medusa", "causal_lm": "draft_model", "dflash": "dflash"}[
+            ckpt.kind.family
+        ]
         k = min(args.k, int(ckpt.config.get("num_heads", args.k))) if method == "medusa" else args.k
+        k = int(ckpt.config["block_size"]) - 1 if method == "dflash" else k  # vLLM drafts whole blocks
         found.append(Setting(name, str(ckpt.draft_dir), {"method": method, "model": str(out.resolve()),
                                                          "num_speculative_tokens": k}, k))  # fmt: skip
     if args.layers:
@@ -188,6 +194,10 @@ def main() -> None:
     p.add_argument("--head", nargs="+", metavar="[NAME=]DIR", help="EAGLE-3 heads (draftsmith's or a peer's)")
     p.add_argument("--medusa", help="Medusa heads: run or draft directory")
     p.add_argument("--small", help="distilled small draft: run or draft directory")
+    p.add_argument(
+        "--dflash", nargs="+", metavar="[NAME=]DIR", help="DFlash drafts (k = their block size - 1)"
+    )
+    p.add_argument("--no-ngram", action="store_true", help="leave out the n-gram setting")
     p.add_argument(
         "--layers", type=int, default=None, metavar="N", help="also the layer-subset draft layers:N"
     )

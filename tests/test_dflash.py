@@ -257,3 +257,65 @@ def test_trains_in_the_loop_and_loads_as_a_drafter(tmp_path):
     assert isinstance(drafter, DFlashDrafter) and drafter.draft.config.block_size == 8
     prompt = torch.tensor([3, 1, 4, 1, 5])
     assert generate(loaded, prompt, drafter, 7, 16).tokens == generate(loaded, prompt, None, 0, 16).tokens
+
+
+# ---- exports ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dflash_run(tmp_path_factory):
+    target = tiny_target("llama", layers=4)
+    objective = build_objective("dflash", target, {"block_size": 4, "num_layers": 2})
+    run = tmp_path_factory.mktemp("dflash")
+    objective.save(objective.build_draft().eval(), run / "draft")
+    (run / "config.yaml").write_text("draft: {kind: dflash}\n")
+    return target, run
+
+
+def test_exports_to_vllms_layout_and_other_engines_refuse_naming_why(dflash_run, tmp_path, capsys):
+    from draftsmith.cli import main
+    from draftsmith.draft_checkpoint import locate_checkpoint
+    from draftsmith.export import export_checkpoint, verify_export
+
+    target, run = dflash_run
+    out = export_checkpoint(locate_checkpoint(str(run)), "vllm", tmp_path / "vllm")
+    assert verify_export(out, "vllm")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"] == {"mask_token_id": 256, "target_layer_ids": [0, 1, 2]}
+    assert config["block_size"] == 4 and config["layer_types"] == ["full_attention"] * 2
+    assert config["rope_parameters"]["rope_theta"] == target.config.rope_parameters["rope_theta"]
+    assert "eagle_config" not in config and "eagle_aux_hidden_state_layer_ids" not in config
+    for engine in ("sglang", "speculators", "gguf"):
+        assert main(["export", str(run), "--to", engine, "--out", str(tmp_path / engine)]) == 2
+        assert "vLLM 0.32 serves DFlash drafts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("break_it", "problem"),
+    [
+        (lambda c, t: c["dflash_config"].update(target_layer_ids=[2, 1, 0]), "strictly increasing"),
+        (lambda c, t: c["dflash_config"].update(mask_token_id=10**6), "mask_token_id 1000000"),
+        (lambda c, t: c.update(eagle_config={}), "eagle_config"),
+        (lambda c, t: (c.pop("rope_theta"), c.pop("rope_parameters")), "no rope_theta"),
+        (lambda c, t: c.update(layer_types=["sliding_attention"] * 2), "non-causal"),
+        (lambda c, t: t.pop("layers.1.self_attn.k_norm.weight"), "missing layers.1.self_attn.k_norm.weight"),
+        (lambda c, t: t.update(extra=torch.zeros(1)), "extra: vLLM's DFlash model has no such parameter"),
+    ],
+)
+def test_the_vllm_verifier_refuses_what_vllm_would_guess_or_leave_uninitialised(dflash_run, tmp_path, break_it,
+                                                                                problem):  # fmt: skip
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.draft_checkpoint import locate_checkpoint
+    from draftsmith.export import export_checkpoint
+    from draftsmith.export.verify import ExportVerificationError, verify_export
+
+    _, run = dflash_run
+    out = export_checkpoint(locate_checkpoint(str(run)), "vllm", tmp_path / "vllm")
+    config, tensors = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    break_it(config, tensors)
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(ExportVerificationError, match=problem):
+        verify_export(out, "vllm")

@@ -6,7 +6,6 @@ residual blocks, ``lm_heads.{head}``, one ``lm_head`` with ``original_lm_head``)
 from __future__ import annotations
 
 import re
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,9 +16,11 @@ from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint
 from draftsmith.drafts.engines import VLLM
 from draftsmith.export import copy_export
+from draftsmith.export.dflash import DFLASH_ARCHITECTURE, verify_dflash_vllm
+from draftsmith.export.dflash import write_vllm as write_dflash
 from draftsmith.export.eagle import SOURCE_KEY, export_eagle
 from draftsmith.export.engines import CardContext, ExportOptions
-from draftsmith.export.verify import verify_reference_engine
+from draftsmith.export.verify import read_export_config, verify_reference_engine
 
 
 def write_eagle(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
@@ -80,6 +81,10 @@ def usage(card: CardContext) -> list[str]:
         config, model = '"method": "medusa"', '"model": "draft-vllm"'
         k = card.config.get("num_heads", k)  # vLLM's Medusa drafts one token per head
         export = [f"draftsmith export {repo} --to vllm --out draft-vllm"]
+    elif card.kind.family == "dflash":
+        config, model = '"method": "dflash"', '"model": "draft-vllm"'
+        k = card.config.get("block_size", k + 1) - 1  # one block: the last token and block_size - 1 drafts
+        export = [f"draftsmith export {repo} --to vllm --out draft-vllm"]
     else:
         config, model = '"method": "eagle3"', '"model": "draft-vllm"'
         export = [f"draftsmith export {repo} --to vllm --out draft-vllm"]
@@ -94,5 +99,14 @@ def usage(card: CardContext) -> list[str]:
     ]
 
 
-VLLM.writers.update({"eagle": write_eagle, "causal_lm": copy_export, "medusa": write_medusa})
-VLLM.verify, VLLM.usage = partial(verify_reference_engine, engine=VLLM), usage
+def verify(folder: Path) -> tuple[str, list[str]]:
+    """A DFlash draft by its own checks (``export/dflash.py``); anything else as the reference engines' exports."""
+    if read_export_config(folder).get("architectures") == [DFLASH_ARCHITECTURE]:
+        return "DFlash draft", verify_dflash_vllm(folder)
+    return verify_reference_engine(folder, VLLM)
+
+
+VLLM.writers.update(
+    {"eagle": write_eagle, "causal_lm": copy_export, "medusa": write_medusa, "dflash": write_dflash}
+)
+VLLM.verify, VLLM.usage = verify, usage
