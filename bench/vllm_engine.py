@@ -99,7 +99,7 @@ def settings(args, target_dir: str, work: Path) -> list[Setting]:
         if not (out / "config.json").is_file():
             export_checkpoint(ckpt, "vllm", out)
         method = {"eagle": "eagle3", "medusa": "medusa", "causal_lm": "draft_model", "dflash": "dflash"}[
-            ckpt.kind.family
+            ckpt.kind.family.name
         ]
         k = min(args.k, int(ckpt.config.get("num_heads", args.k))) if method == "medusa" else args.k
         k = int(ckpt.config["block_size"]) - 1 if method == "dflash" else k  # vLLM drafts whole blocks

@@ -2,12 +2,14 @@
 
 A ``DraftKind`` owns what differs between kinds: its one name (the ``--draft`` spec prefix of a
 training-free kind, ``draftsmith_kind`` in a saved ``config.json``, ``draft.kind`` in a training recipe,
-the model card's tag), what the card calls it, how it loads, the engines it exports to (records of
-``drafts/engines.py``) and why it refuses the others. A kind's file in ``drafts/`` registers its record
-and spells its name once (a constant there); the registry imports that file the first time the kind is
-asked for (``KIND_MODULES``), so reading a config or a spec never imports torch. Adding a kind = one
-file here (model, drafter, record) and, if it trains, one objective in ``train/objectives/`` named in
-``train/registry.py``'s ``OBJECTIVE_MODULES`` (train/ knows drafts/, never the other way round).
+the model card's tag), what the card calls it, how it loads, its ``Family``, the engines it exports to
+(records of ``drafts/engines.py``) and why it refuses the others. A ``Family`` is how drafts are stored:
+whether there is a checkpoint, the check of its saved folder (``--to hf``), its lines of the model card;
+engine records key their writers and refusals by its name. A kind's file in ``drafts/`` registers its
+record and spells its name once (a constant there); the registry imports that file the first time the
+kind is asked for (``KIND_MODULES``), so reading a config or a spec never imports torch. Adding a kind =
+one file here (model, drafter, family, record) and, if it trains, one objective in ``train/objectives/``
+named in ``train/registry.py``'s ``OBJECTIVE_MODULES`` (train/ knows drafts/, never the other way round).
 
 Every trained draft records the target it was trained for (``Target.record()``); ``check_target`` is
 the one check, shared by every kind, that a draft meets that target.
@@ -46,6 +48,74 @@ FOREIGN_EAGLE_FIELDS = ("draft_vocab_size", "eagle_config", "eagle_aux_hidden_st
 
 DrafterFactory = Callable[["Target", str], Drafter]
 """``(target, argument) -> Drafter``: the argument is a checkpoint directory, or a spec's ``:N`` part."""
+FolderCheck = Callable[[Path], list[str]]
+"""``folder -> problems`` of a saved draft folder (empty: it loads as saved)."""
+
+
+def strict_load(cls, folder: Path):
+    """``cls.from_pretrained(folder)`` and the problems of the load: missing, unexpected, mis-shaped weights."""
+    model, info = cls.from_pretrained(str(folder), output_loading_info=True)
+    problems = [
+        f"{kind} weights: {sorted(names)}" for kind, names in info.items() if names and kind != "error_msgs"
+    ]
+    return model, problems + [str(m) for m in info.get("error_msgs") or []]
+
+
+def check_saved_draft(folder: Path) -> list[str]:
+    """The check of a saved folder every family with a checkpoint gets unless it brings its own: config.json
+    names a known kind and the target it was trained for, and the weights are there (whole: the caller's
+    ``files.check_model_files``)."""
+    config = files.read_json(Path(folder) / "config.json", DRAFT_FIX)
+    problems = []
+    if DRAFT_KIND_KEY not in config:
+        problems.append(f"config.json names no {DRAFT_KIND_KEY}: nothing says how to load it")
+    else:
+        kind = kind_of_config(config)
+        missing = [f for f in TARGET_FIELDS if f not in (config.get(kind.target_key) or {})]
+        if missing:
+            problems.append(
+                f"config.json's {kind.target_key} lacks {', '.join(missing)}: the target check cannot run"
+            )
+    if not list(Path(folder).glob("*.safetensors")):
+        problems.append("no *.safetensors weights")
+    return problems
+
+
+def target_layers_line(config: dict) -> str:
+    """The card's line for a draft that reads the target's layers (``capture_layer_ids``)."""
+    return (
+        f"- reads target layers {config.get('capture_layer_ids')} ({config.get('layer_id_convention')}: output "
+        "of decoder layer i, 0-based, before the final norm)"
+    )
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a kind's drafts are stored, checked and described: kinds that share a layout share a family
+    (EAGLE-1, EAGLE-3 and mirror heads are ``eagle``). Engine records key their writers and refusals by its
+    name; the rest is here, as plain functions over config dicts and folders that the app layer calls."""
+
+    name: str
+    """The key of ``Engine.writers`` and ``Engine.refuses`` ("eagle", "causal_lm", ...)."""
+    title: str
+    """What help and errors call such drafts ("EAGLE head")."""
+    checkpoint: bool = True
+    """Whether a draft is a saved directory (False: it is built from its spec alone, ``ngram:N``)."""
+    verify_hf: FolderCheck = check_saved_draft
+    """The check of a folder in draftsmith's transformers layout (``--to hf``, ``export --verify``)."""
+    hf_writer: Callable[..., Path] | None = None
+    """``(checkpoint, out, ExportOptions) -> folder`` for ``--to hf``; None: the draft directory as it is."""
+    hf_usage: Callable[[str, str], list[str]] | None = None
+    """``(base_model, repo_id) -> the card's transformers section``; None: the lines that run it with
+    draftsmith's decoder."""
+    card_lines: Callable[[dict], list[str]] | None = None
+    """``config.json -> the card's lines about the draft`` after its target's (None: none)."""
+    library_name: str = "draftsmith"
+    """The card's ``library_name``: what loads it."""
+
+
+TRAINING_FREE = Family("training-free", "training-free drafter", checkpoint=False)
+"""Drafters built from a spec (``ngram``, ``layers:N``): nothing saved, nothing to export."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +128,8 @@ class DraftKind:
     title: str
     """What a model card or an error calls it ("EAGLE-3 head")."""
     build: DrafterFactory
-    family: str
-    """How it is stored and served: ``eagle`` (a head on the target's hidden states), ``causal_lm`` (an
-    ordinary transformers causal LM), ``medusa``, or ``training-free`` (no checkpoint)."""
+    family: Family
+    """How it is stored, checked and served (a name alone is a family with the generic check and card)."""
     exports: tuple[Engine, ...] | None = None
     """The engines (records, ``drafts/engines.py``) it goes to; None: every engine with a writer for its
     family that does not refuse the family."""
@@ -69,13 +138,17 @@ class DraftKind:
     target_key: str = "target"
     """Where its config.json records the target it was trained for."""
 
+    def __post_init__(self):
+        if isinstance(self.family, str):
+            object.__setattr__(self, "family", Family(self.family, self.title))
+
     def refusal_by(self, engine: Engine) -> str | None:
         """Why ``engine`` cannot take this kind, by the kind's record or the engine's; None if neither refuses
         (whether a writer exists is the export package's to say: ``draftsmith.export.refusal``)."""
         if self.exports is not None and engine not in self.exports:
             return self.refusal or f"draftsmith has no {engine.name} layout for a {self.title}"
-        if self.family in engine.refuses:
-            return engine.refuses[self.family]
+        if self.family.name in engine.refuses:
+            return engine.refuses[self.family.name]
         return None
 
     def refuse_export(self, engine: Engine) -> None:
@@ -218,7 +291,7 @@ def build_drafter(spec: str, target: Target) -> Drafter:
     name, _, arg = spec.partition(":")
     if name in KIND_MODULES and not Path(spec).exists():
         kind = draft_kind(name)
-        if kind.family == "training-free":
+        if not kind.family.checkpoint:
             return kind.build(target, arg)
         raise ValueError(
             f"--draft {spec}: a {kind.title} loads from a checkpoint directory saved by `draftsmith train`; pass "

@@ -30,7 +30,15 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from draftsmith import files
 from draftsmith.decode.features import decoder_layers
 from draftsmith.decode.target import Target
-from draftsmith.drafts.base import DISTILL, DRAFT_KIND_KEY, DraftKind, register
+from draftsmith.drafts.base import (
+    DISTILL,
+    DRAFT_FIX,
+    DRAFT_KIND_KEY,
+    DraftKind,
+    Family,
+    register,
+    strict_load,
+)
 from draftsmith.drafts.model_drafter import ModelDrafter
 from draftsmith.loading import load_causal_lm, tokenizer_fingerprint
 
@@ -257,6 +265,56 @@ def _build(target, spec: str) -> ModelDrafter:
     return ModelDrafter(model, name=name)
 
 
-register(
-    DraftKind(DISTILL, "distilled small draft", _build, "causal_lm", target_key=TARGET_KEY)
-)  # every engine
+def verify_saved(folder: Path) -> list[str]:
+    """Problems a distilled draft folder has for transformers: weights, a strict ``from_pretrained``, a
+    tokenizer within the model's vocabulary and that vocabulary the target's."""
+    from transformers import AutoTokenizer
+
+    if not list(folder.glob("*.safetensors")):
+        return ["no *.safetensors weights"]
+    model, problems = strict_load(AutoModelForCausalLM, folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if len(tokenizer) > vocab:
+        problems.append(f"the tokenizer has {len(tokenizer)} tokens but the model scores only {vocab}")
+    target = files.read_json(folder / "config.json", DRAFT_FIX).get(TARGET_KEY) or {}
+    target_vocab = target.get("vocab_size")
+    if target_vocab is not None and target_vocab != vocab:
+        problems.append(
+            f"vocabulary {vocab} differs from the target's {target_vocab}: the engine refuses the pair"
+        )
+    return problems
+
+
+def assisted_generation(base_model: str, repo_id: str) -> list[str]:
+    """The card's transformers section: the draft as transformers' ``assistant_model``."""
+    return [
+        "### transformers (assisted generation)",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{base_model}")',
+        f'target = AutoModelForCausalLM.from_pretrained("{base_model}")',
+        f'draft = AutoModelForCausalLM.from_pretrained("{repo_id}")',
+        'inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True, '
+        'return_tensors="pt", return_dict=True)',
+        "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)",
+        "```",
+        "",
+    ]
+
+
+def card_lines(config: dict) -> list[str]:
+    return [
+        f"- architecture {config.get('architectures')}, {config.get('num_hidden_layers')} layers, hidden size "
+        f"{config.get('hidden_size')}"
+    ]
+
+
+CAUSAL_LM = Family(
+    "causal_lm", "causal LM", verify_hf=verify_saved, hf_usage=assisted_generation, card_lines=card_lines,
+    library_name="transformers",
+)  # fmt: skip
+"""An ordinary transformers causal LM: engines load it as a draft model."""
+register(DraftKind(DISTILL, "distilled small draft", _build, CAUSAL_LM, target_key=TARGET_KEY))  # all engines

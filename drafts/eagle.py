@@ -30,12 +30,23 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.features import LAYER_ID_CONVENTION, resolve_layer_ids
-from draftsmith.drafts.base import DRAFT_KIND_KEY, EAGLE1, EAGLE3, MIRROR, DraftKind, register
+from draftsmith.drafts.base import (
+    DRAFT_KIND_KEY,
+    EAGLE1,
+    EAGLE3,
+    MIRROR,
+    DraftKind,
+    Family,
+    register,
+    strict_load,
+    target_layers_line,
+)
 from draftsmith.drafts.base import check_target as check_draft_target
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 from draftsmith.drafts.eagle_parts import (
     WideInputLayer,
     build_vocab_map,
+    check_vocab_maps,
     copy_final_norm,
     packed_segments,
     ttt_attention_mask,
@@ -426,8 +437,32 @@ def _build(target, path: str) -> Drafter:
     return EagleDrafter(head, name=f"{getattr(head.config, DRAFT_KIND_KEY)}:{Path(path).name}")
 
 
-register(DraftKind(EAGLE3, "EAGLE-3 head", _build, "eagle"))  # every engine with an EAGLE-3 layout
-register(DraftKind(EAGLE1, "EAGLE-1 head", _build, "eagle", exports=(HF,), refusal=(
+def verify_saved(folder: Path) -> list[str]:
+    """Problems an EAGLE head folder for transformers has: strict from_pretrained, layer ids, vocab maps."""
+    head, problems = strict_load(EagleHead, folder)
+    cfg = head.config
+    n_layers = (cfg.target or {}).get("num_hidden_layers")
+    if n_layers is None:
+        problems.append("config.target records no target layer count")
+    elif any(not 0 <= i < n_layers for i in cfg.capture_layer_ids):
+        problems.append(f"capture_layer_ids {cfg.capture_layer_ids} outside 0..{n_layers - 1}")
+    if cfg.preset == EAGLE3:
+        check_vocab_maps(head.d2t, head.t2d, cfg.vocab_size, False, problems)
+    return problems
+
+
+def card_lines(config: dict) -> list[str]:
+    return [
+        target_layers_line(config),
+        f"- draft vocabulary: {config.get('draft_vocab_size')} of the target's {config.get('vocab_size')} tokens "
+        "(`d2t`: absolute target ids, ascending; `t2d`: mask over the target vocabulary)",
+    ]
+
+
+EAGLE = Family("eagle", "EAGLE head", verify_hf=verify_saved, card_lines=card_lines)
+"""A head on the target's hidden states, saved as ``EagleHead`` (EAGLE-1, EAGLE-3, mirror, imported heads)."""
+register(DraftKind(EAGLE3, "EAGLE-3 head", _build, EAGLE))  # every engine with an EAGLE-3 layout
+register(DraftKind(EAGLE1, "EAGLE-1 head", _build, EAGLE, exports=(HF,), refusal=(
     "draftsmith's EAGLE-1 head keeps its first layer's input norm and applies the target's final norm before its "
     "LM head; vLLM 0.32's EAGLE-1 model (llama_eagle.py) replaces layer 0's input norm by the identity and reads "
     "logits from hidden + residual with no norm (the other engines were not checked for EAGLE-1); train an "

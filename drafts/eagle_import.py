@@ -33,7 +33,7 @@ import torch
 
 from draftsmith.decode.drafter import Drafter
 from draftsmith.drafts.base import EAGLE3, PEER_EAGLE3, DraftKind, register
-from draftsmith.drafts.eagle import EagleConfig, EagleHead
+from draftsmith.drafts.eagle import EAGLE, EagleConfig, EagleHead
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 from draftsmith.drafts.engines import MODELOPT, REFERENCE_EAGLE3, SPECULATORS, Engine, read_layouts
 
@@ -363,5 +363,5 @@ def _build(target, path: str) -> Drafter:
     return EagleDrafter(import_head(target, path), name=f"{PEER_EAGLE3}:{Path(path).name}")
 
 
-register(DraftKind(PEER_EAGLE3, "EAGLE-3 head from another pipeline", _build, "eagle", target_key="target",
+register(DraftKind(PEER_EAGLE3, "EAGLE-3 head from another pipeline", _build, EAGLE, target_key="target",
                    exports=(), refusal="export needs the head read for its target first: pass --target"))  # fmt: skip

@@ -2,7 +2,8 @@
 
 The draft vocabulary's map to the target's (``build_vocab_map``), the training-time-test attention mask
 (``ttt_attention_mask``), the conversations of a packed row (``packed_segments``), the copy of the
-target's final norm (``copy_final_norm``, also Medusa's) and EAGLE-3's first layer (``WideInputLayer``).
+target's final norm (``copy_final_norm``, also Medusa's), EAGLE-3's first layer (``WideInputLayer``) and
+the check of a vocabulary map as saved (``check_vocab_maps``).
 """
 
 from __future__ import annotations
@@ -101,3 +102,24 @@ class WideInputLayer(nn.Module):
         )
         h = (normed if self.norm_before_residual else feature) + attn
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+
+
+def check_vocab_maps(
+    d2t: torch.Tensor, t2d: torch.Tensor, vocab: int, offsets: bool, problems: list[str]
+) -> None:
+    """d2t maps draft ids to distinct target ids (absolute or as offsets) that are exactly t2d's: the check of a
+    saved head (``drafts/eagle.py``) and of the engines' layouts (``export/verify.py``)."""
+    if d2t.dtype not in (torch.int64, torch.int32) or t2d.dtype != torch.bool:
+        problems.append(f"d2t must be an integer tensor and t2d bool; got {d2t.dtype}, {t2d.dtype}")
+        return
+    targets = d2t.long() + (torch.arange(d2t.numel()) if offsets else 0)
+    spelled = "d2t[i] + i" if offsets else "d2t[i]"
+    if targets.numel() and (targets.min() < 0 or targets.max() >= vocab):
+        problems.append(
+            f"{spelled} leaves the target vocabulary 0..{vocab - 1} (are the ids absolute, not offsets?)"
+        )
+        return
+    if targets.unique().numel() != targets.numel():
+        problems.append(f"{spelled} maps two draft ids to one target id")
+    if not torch.equal(targets.sort().values, t2d.nonzero().flatten()):
+        problems.append(f"the target ids {spelled} do not match t2d's (offsets vs absolute ids mixed up?)")

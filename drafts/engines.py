@@ -2,7 +2,8 @@
 
 An ``Engine`` says who the engine is (its ``--to`` name, its title, the version its layout was checked
 against, its line of ``draftsmith export --help``) and which draft families it cannot load, with the
-reason. The app layer registers the work onto the record: a writer per draft family, a verifier and the
+reason. The app layer registers the work onto the record: a writer per draft family (or one for any
+family, ``fallback``), a verifier and the
 model card's usage snippet (``draftsmith/export/<name>.py``, imported the first time the engine is
 used); a peer's layout that draftsmith reads gets its detector from ``drafts/eagle_import.py``.
 
@@ -46,6 +47,9 @@ class Engine:
     """The export is one file with this suffix (``.gguf``), not a folder."""
     writers: dict[str, Writer] = field(default_factory=dict)
     """Draft family -> its writer (registered by ``draftsmith/export/<name>.py``)."""
+    fallback: Writer | None = None
+    """The writer of any family with a checkpoint that ``writers`` does not name (hf: the family's own
+    ``hf_writer``, else the draft directory as it is); None: such a family is refused."""
     verify: Verifier | None = None
     usage: Usage | None = None
     detect: Detector | None = None

@@ -12,7 +12,7 @@ from torch import nn
 
 from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.features import decoder_layers
-from draftsmith.drafts.base import LAYERS, DraftKind, register
+from draftsmith.drafts.base import LAYERS, TRAINING_FREE, DraftKind, register
 from draftsmith.drafts.model_drafter import ModelDrafter
 
 
@@ -56,7 +56,7 @@ def _build(target, arg: str) -> Drafter:
     return ModelDrafter(view, name=f"layers:{n}")
 
 
-register(DraftKind(LAYERS, "layer-subset drafter", _build, "training-free",
+register(DraftKind(LAYERS, "layer-subset drafter", _build, TRAINING_FREE,
                    refusal="it has no weights of its own (it is the target's first N layers, final norm and LM head); an "
                    "engine serves it as a small draft model: save the target with only its first N layers "
                    "(transformers, num_hidden_layers=N) and serve that (vLLM: method draft_model)"))  # fmt: skip

@@ -30,7 +30,16 @@ from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.features import LAYER_ID_CONVENTION
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.decode.tree import DraftTree, TreeBuilder, TreeSpec
-from draftsmith.drafts.base import DRAFT_KIND_KEY, MEDUSA, DraftKind, check_target, register
+from draftsmith.drafts.base import (
+    DRAFT_KIND_KEY,
+    MEDUSA,
+    DraftKind,
+    Family,
+    check_target,
+    register,
+    strict_load,
+    target_layers_line,
+)
 from draftsmith.drafts.eagle_parts import copy_final_norm
 from draftsmith.drafts.engines import HF, VLLM
 
@@ -243,5 +252,24 @@ NO_ENGINE_LOADER = (
     "source has no Medusa loader and llama.cpp no Medusa graph; use the heads with `draftsmith eval`, or export "
     "them with --to hf or --to vllm"
 )
-register(DraftKind(MEDUSA, "Medusa draft", _build, "medusa",
+
+
+def verify_saved(folder: Path) -> list[str]:
+    """Problems a Medusa folder for transformers has: a strict from_pretrained and its target record."""
+    heads, problems = strict_load(MedusaHeads, folder)
+    if not heads.config.target:
+        problems.append("config.target records no target")
+    return problems
+
+
+def card_lines(config: dict) -> list[str]:
+    return [
+        target_layers_line(config),
+        f"- {config.get('num_heads')} heads of {config.get('num_layers')} residual blocks each",
+    ]
+
+
+MEDUSA_HEADS = Family(MEDUSA, "Medusa heads", verify_hf=verify_saved, card_lines=card_lines)
+"""Medusa heads on the target's last hidden state (the family's name is the kind's)."""
+register(DraftKind(MEDUSA, "Medusa draft", _build, MEDUSA_HEADS,
                    exports=(HF, VLLM), refusal=NO_ENGINE_LOADER))  # fmt: skip

@@ -23,7 +23,7 @@ from draftsmith.decode.mirror import Grid, MirrorSettings
 from draftsmith.decode.sampling import Sampling, to_probs
 from draftsmith.decode.target import rollback_cache
 from draftsmith.drafts.base import MIRROR, DraftKind, register
-from draftsmith.drafts.eagle import EagleHead, load_head
+from draftsmith.drafts.eagle import EAGLE, EagleHead, load_head
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 from draftsmith.drafts.engines import HF
 
@@ -114,7 +114,7 @@ register(
         MIRROR,
         "mirror draft (EAGLE-3 head on the target's early exit)",
         _build,
-        "eagle",
+        EAGLE,
         exports=(HF,),
         refusal="no serving engine runs mirror decoding (early-exit candidates and branch reuse); evaluate it "
         "with `draftsmith eval`, or train an eagle3 head for serving",

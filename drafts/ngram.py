@@ -11,7 +11,7 @@ import torch
 from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.sampling import Sampling
 from draftsmith.decode.tree import DraftTree, TreeSpec
-from draftsmith.drafts.base import NGRAM, DraftKind, register
+from draftsmith.drafts.base import NGRAM, TRAINING_FREE, DraftKind, register
 
 
 class NgramDrafter(Drafter):
@@ -95,7 +95,7 @@ def _build(target, arg: str) -> Drafter:
     return NgramDrafter(max_n=int(arg)) if arg else NgramDrafter()
 
 
-register(DraftKind(NGRAM, "n-gram drafter", _build, "training-free",
+register(DraftKind(NGRAM, "n-gram drafter", _build, TRAINING_FREE,
                    refusal="it is training-free: serve with the engine's own n-gram drafting"))  # fmt: skip
 
 

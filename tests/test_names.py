@@ -22,10 +22,7 @@ OTHER_MEANINGS = {
     ("draftsmith/export/gguf_verify.py", "eagle3"): "llama.cpp's architecture name",
     ("draftsmith/llamacpp.py", "eagle3"): "llama.cpp's --spec-type draft-eagle3",
     ("draftsmith/llamacpp.py", "ngram"): "llama.cpp's ngram spec type",
-    ("drafts/medusa.py", "medusa"): "the family and transformers' base_model_prefix",
-    ("draftsmith/publish/card.py", "medusa"): "the family",
-    ("draftsmith/export/verify.py", "medusa"): "the family",
-    ("draftsmith/export/hf.py", "medusa"): "the family",
+    ("drafts/medusa.py", "medusa"): "transformers' base_model_prefix",
     ("draftsmith/export/vllm.py", "medusa"): "the family, and vLLM's model_type and method name",
 }
 """(file, word) -> what the word names there, where it is not draftsmith's kind."""

@@ -1,9 +1,9 @@
 """Drafts in the layouts serving engines load, one writer per engine record (``drafts/engines.py``).
 
 ``export_checkpoint`` asks the draft's kind record and the engine's record whether the engine takes
-it (``engines.refusal``), then runs the engine's writer for the kind's family, registered by
-``draftsmith/export/<engine>.py``: ``hf``, ``vllm``, ``sglang``, ``speculators`` (EAGLE-3 heads through the
-reference layout in ``eagle.py``), ``gguf``. Every export is checked afterwards by the engine's verifier
+it (``engines.refusal``), then runs the engine's writer for the kind's family (``engines.writer_of``),
+registered by ``draftsmith/export/<engine>.py``: ``hf``, ``vllm``, ``sglang``, ``speculators`` (EAGLE-3 heads
+through the reference layout in ``eagle.py``), ``gguf``. Every export is checked afterwards by the engine's verifier
 (``verify.py``, ``gguf_verify.py``) against what that engine's loader reads; a real llama.cpp judges
 the GGUF files (tests/test_llamacpp.py). Loader versions and conventions: docs/EXPORT.md.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
 from draftsmith.drafts.engines import Engine, export_engines
-from draftsmith.export.engines import ExportOptions, engine_of, is_single_file, refuse
+from draftsmith.export.engines import ExportOptions, engine_of, is_single_file, refuse, writer_of
 from draftsmith.export.verify import ExportVerificationError, verify_export
 
 TRAINING_FILES = {"train_state.json", "train_config.yaml"}
@@ -122,5 +122,4 @@ def export_checkpoint(
     record = engine_of(engine)
     files.remove_stale(out.parent, out.name)
     refuse(ckpt.kind, record)  # the kind's record and the engine's say whether it takes the draft
-    writer = record.writers[ckpt.kind.family]
-    return writer(ckpt, out, ExportOptions(gguf_dtype, target_gguf))
+    return writer_of(ckpt.kind, record)(ckpt, out, ExportOptions(gguf_dtype, target_gguf))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.drafts.base import DraftKind
-from draftsmith.drafts.engines import Engine, engine_named, export_engines
+from draftsmith.drafts.engines import Engine, Writer, engine_named, export_engines
 
 CARD_K = 5
 """Draft tokens per step in the model card's commands."""
@@ -42,7 +42,7 @@ class CardContext:
 
 def loaded(engine: Engine) -> Engine:
     """``engine`` with its work registered: ``draftsmith/export/<name>.py`` is imported the first time."""
-    if not engine.writers:
+    if not engine.writers and engine.fallback is None:
         module = f"draftsmith.export.{engine.name}"
         if importlib.util.find_spec(module) is None:
             raise ValueError(
@@ -58,11 +58,21 @@ def engine_of(engine: str | Engine) -> Engine:
     return loaded(engine if isinstance(engine, Engine) else engine_named(engine))
 
 
+def writer_of(kind: DraftKind, engine: Engine) -> Writer | None:
+    """The engine's writer for the kind's family: its own for that family, else its ``fallback`` for a
+    family with a checkpoint; None if it has neither."""
+    engine = loaded(engine)
+    writer = engine.writers.get(kind.family.name)
+    if writer is None and kind.family.checkpoint:
+        writer = engine.fallback
+    return writer
+
+
 def refusal(kind: DraftKind, engine: Engine) -> str | None:
     """Why ``engine`` cannot take a draft of ``kind`` (the kind's record, the engine's, or no writer for its
     family), or None if it can."""
     why = kind.refusal_by(engine)
-    if why is None and kind.family not in loaded(engine).writers:
+    if why is None and writer_of(kind, engine) is None:
         why = kind.refusal or f"draftsmith has no {engine.name} layout for a {kind.title}"
     return why
 

@@ -387,9 +387,9 @@ def write_draft(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Pat
 
 def usage(card: CardContext) -> list[str]:
     """llama-server as draftsmith's engine benchmark runs it; a causal LM only in the Llama architecture."""
-    if card.kind.family == "causal_lm" and card.config.get("model_type") != "llama":
+    if card.kind.family.name == "causal_lm" and card.config.get("model_type") != "llama":
         return []
-    eagle = card.kind.family == "eagle"
+    eagle = card.kind.family.name == "eagle"
     export, spec, draft = (
         (
             "--out head.gguf  # --target-gguf TARGET.gguf unless draftsmith knows it",

@@ -1,36 +1,32 @@
 """The ``hf`` engine's work: draftsmith's own transformers layout, the draft directory as it is.
 
-Every kind with a checkpoint goes there; a distilled draft loads as transformers' ``assistant_model``,
-an EAGLE head or Medusa heads as a ``PreTrainedModel`` that draftsmith's decoder runs.
+Every kind with a checkpoint goes there, whatever its family (``Engine.fallback``; a family may bring its
+own ``hf_writer``); a distilled draft loads as transformers' ``assistant_model``, an EAGLE head or Medusa
+heads as a ``PreTrainedModel`` that draftsmith's decoder runs. The check and the card's transformers lines
+are the family's (``Family.verify_hf``, ``Family.hf_usage``).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from draftsmith.draft_checkpoint import DraftCheckpoint
 from draftsmith.drafts.engines import HF
 from draftsmith.export import copy_export
-from draftsmith.export.engines import CardContext
+from draftsmith.export.engines import CardContext, ExportOptions
 from draftsmith.export.verify import verify_hf
 
 
+def write(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
+    """The family's own hf writer, else the draft directory as it is."""
+    return (ckpt.kind.family.hf_writer or copy_export)(ckpt, out, options)
+
+
 def usage(card: CardContext) -> list[str]:
-    """transformers' assisted generation for a causal LM; draftsmith's decoder for the heads."""
+    """The family's transformers lines (assisted generation for a causal LM), else draftsmith's decoder."""
     base, repo = card.base_model, card.repo_id
-    if card.kind.family == "causal_lm":
-        return [
-            "### transformers (assisted generation)",
-            "",
-            "```python",
-            "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "",
-            f'tokenizer = AutoTokenizer.from_pretrained("{base}")',
-            f'target = AutoModelForCausalLM.from_pretrained("{base}")',
-            f'draft = AutoModelForCausalLM.from_pretrained("{repo}")',
-            'inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True, '
-            'return_tensors="pt", return_dict=True)',
-            "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)",
-            "```",
-            "",
-        ]
+    if card.kind.family.hf_usage is not None:
+        return card.kind.family.hf_usage(base, repo)
     return [
         "### transformers",
         "",
@@ -53,5 +49,4 @@ def usage(card: CardContext) -> list[str]:
     ]
 
 
-HF.writers.update(dict.fromkeys(("eagle", "causal_lm", "medusa"), copy_export))
-HF.verify, HF.usage = verify_hf, usage
+HF.fallback, HF.verify, HF.usage = write, verify_hf, usage

@@ -20,7 +20,7 @@ def write_eagle(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Pat
 
 def usage(card: CardContext) -> list[str]:
     base, repo, k = card.base_model, card.repo_id, card.k
-    if card.kind.family == "causal_lm":
+    if card.kind.family.name == "causal_lm":
         algorithm, draft, export, note = "STANDALONE", repo, [], []
     else:
         algorithm, draft = "EAGLE3", "draft-sglang"

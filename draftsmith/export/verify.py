@@ -7,8 +7,10 @@ derived from the exporter, so a mistake in the exporter shows up as a failed che
   not know crashes vLLM and is silently skipped by SGLang), every config field the model is built
   from (one left out is filled with a default: a guess), the auxiliary layer ids in that engine's
   convention, and ``d2t`` as offsets that agree with ``t2d``.
-- EAGLE heads for transformers (``hf``) and distilled drafts: a strict ``from_pretrained`` (no missing,
-  unexpected or mis-shaped weights) plus the draft's vocabulary against its target's.
+- draftsmith's transformers layout (``hf``): the check of the draft's family (``Family.verify_hf``, in its
+  kind's file: a strict ``from_pretrained`` with the draft's vocabulary against its target's for EAGLE heads,
+  Medusa heads and distilled drafts; the generic check for a family that brings none); for vLLM and
+  SGLang, a distilled draft's architecture and adapter, then that same check.
 - GGUF: see ``draftsmith.export.gguf_verify.verify_gguf``.
 """
 
@@ -20,8 +22,9 @@ import torch
 from safetensors import safe_open
 
 from draftsmith import files
-from draftsmith.drafts.base import EAGLE3
-from draftsmith.drafts.engines import HF, SGLANG, SPECULATORS, VLLM, Engine
+from draftsmith.drafts.distill import CAUSAL_LM
+from draftsmith.drafts.eagle_parts import check_vocab_maps
+from draftsmith.drafts.engines import SGLANG, SPECULATORS, VLLM, Engine
 from draftsmith.export.engines import engine_of
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -156,26 +159,6 @@ def _check_layer_ids(config: dict, engine: str, problems: list[str]) -> None:
         )
 
 
-def _check_vocab_maps(
-    d2t: torch.Tensor, t2d: torch.Tensor, vocab: int, offsets: bool, problems: list[str]
-) -> None:
-    """d2t maps draft ids to distinct target ids (absolute or as offsets) that are exactly t2d's."""
-    if d2t.dtype not in (torch.int64, torch.int32) or t2d.dtype != torch.bool:
-        problems.append(f"d2t must be an integer tensor and t2d bool; got {d2t.dtype}, {t2d.dtype}")
-        return
-    targets = d2t.long() + (torch.arange(d2t.numel()) if offsets else 0)
-    spelled = "d2t[i] + i" if offsets else "d2t[i]"
-    if targets.numel() and (targets.min() < 0 or targets.max() >= vocab):
-        problems.append(
-            f"{spelled} leaves the target vocabulary 0..{vocab - 1} (are the ids absolute, not offsets?)"
-        )
-        return
-    if targets.unique().numel() != targets.numel():
-        problems.append(f"{spelled} maps two draft ids to one target id")
-    if not torch.equal(targets.sort().values, t2d.nonzero().flatten()):
-        problems.append(f"the target ids {spelled} do not match t2d's (offsets vs absolute ids mixed up?)")
-
-
 def verify_eagle3_engine(folder: Path, engine: str) -> list[str]:
     """Problems an EAGLE-3 export for vLLM or SGLang has (empty list = loads as trained)."""
     config = files.read_json(folder / "config.json", EXPORT_FIX)
@@ -258,7 +241,7 @@ def _check_eagle3_tensors(
     if len(floats) > 1:
         problems.append(f"weights mix dtypes {sorted(floats)}")
     if "d2t" in tensors and "t2d" in tensors and not any("d2t" in p or "t2d" in p for p in problems):
-        _check_vocab_maps(tensors["d2t"], tensors["t2d"], config["vocab_size"], True, problems)
+        check_vocab_maps(tensors["d2t"], tensors["t2d"], config["vocab_size"], True, problems)
 
 
 def verify_speculators(folder: Path) -> list[str]:
@@ -300,45 +283,9 @@ def verify_speculators(folder: Path) -> list[str]:
     return problems
 
 
-def _strict_load(cls, folder: Path):
-    """``cls.from_pretrained(folder)`` and the problems of the load: missing, unexpected, mis-shaped weights."""
-    model, info = cls.from_pretrained(str(folder), output_loading_info=True)
-    problems = [
-        f"{kind} weights: {sorted(names)}" for kind, names in info.items() if names and kind != "error_msgs"
-    ]
-    return model, problems + [str(m) for m in info.get("error_msgs") or []]
-
-
-def verify_medusa_hf(folder: Path) -> list[str]:
-    """Problems a Medusa folder for transformers has: a strict from_pretrained and its target record."""
-    from draftsmith.drafts.medusa import MedusaHeads
-
-    heads, problems = _strict_load(MedusaHeads, folder)
-    if not heads.config.target:
-        problems.append("config.target records no target")
-    return problems
-
-
-def verify_eagle_hf(folder: Path) -> list[str]:
-    """Problems an EAGLE head folder for transformers has: strict from_pretrained, layer ids, vocab maps."""
-    from draftsmith.drafts.eagle import EagleHead
-
-    head, problems = _strict_load(EagleHead, folder)
-    cfg = head.config
-    n_layers = (cfg.target or {}).get("num_hidden_layers")
-    if n_layers is None:
-        problems.append("config.target records no target layer count")
-    elif any(not 0 <= i < n_layers for i in cfg.capture_layer_ids):
-        problems.append(f"capture_layer_ids {cfg.capture_layer_ids} outside 0..{n_layers - 1}")
-    if cfg.preset == EAGLE3:
-        _check_vocab_maps(head.d2t, head.t2d, cfg.vocab_size, False, problems)
-    return problems
-
-
 def verify_causal_lm(folder: Path, engine: str) -> list[str]:
-    """Problems a distilled draft folder has for transformers (``hf``), vLLM or SGLang as a draft model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """Problems a distilled draft folder has for vLLM or SGLang as a draft model: an architecture the engine
+    registers, no LoRA adapter beside the weights, then the transformers checks (``drafts/distill.py``)."""
     config = files.read_json(folder / "config.json", EXPORT_FIX)
     problems: list[str] = []
     arch = (config.get("architectures") or [None])[0]
@@ -346,24 +293,11 @@ def verify_causal_lm(folder: Path, engine: str) -> list[str]:
         problems.append("no *.safetensors weights")
     if engine in DRAFT_ARCHITECTURES and arch not in DRAFT_ARCHITECTURES[engine]:
         problems.append(f"architecture {arch!r} is not one {engine} loads as a draft model here")
-    if engine != HF.name and (folder / "adapter_config.json").exists():
+    if (folder / "adapter_config.json").exists():
         problems.append(
             f"a LoRA adapter is stored beside the base weights; {engine} would skip it (save with merge)"
         )
-    if problems:
-        return problems
-    model, loaded = _strict_load(AutoModelForCausalLM, folder)
-    problems += loaded
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    vocab = model.get_output_embeddings().weight.shape[0]
-    if len(tokenizer) > vocab:
-        problems.append(f"the tokenizer has {len(tokenizer)} tokens but the model scores only {vocab}")
-    target_vocab = (config.get("draftsmith_target") or {}).get("vocab_size")
-    if target_vocab is not None and target_vocab != vocab:
-        problems.append(
-            f"vocabulary {vocab} differs from the target's {target_vocab}: the engine refuses the pair"
-        )
-    return problems
+    return problems or CAUSAL_LM.verify_hf(folder)
 
 
 def read_export_config(folder: Path) -> dict:
@@ -423,7 +357,7 @@ def verify_medusa_vllm(folder: Path) -> list[str]:
 
 
 def verify_hf(folder: Path) -> tuple[str, list[str]]:
-    """draftsmith's transformers layout of any kind: a strict ``from_pretrained`` of the kind's class."""
+    """draftsmith's transformers layout of any kind, by its family's check (``Family.verify_hf``)."""
     from draftsmith.drafts.base import kind_of_config
 
     config = read_export_config(folder)
@@ -432,12 +366,7 @@ def verify_hf(folder: Path) -> tuple[str, list[str]]:
             f"{folder} is an engine-layout EAGLE-3 export; export with --to hf for transformers"
         ]
     kind = kind_of_config(config)
-    check = {
-        "causal_lm": lambda f: verify_causal_lm(f, HF.name),
-        "eagle": verify_eagle_hf,
-        "medusa": verify_medusa_hf,
-    }
-    return kind.title, check[kind.family](folder)
+    return kind.title, kind.family.verify_hf(folder)
 
 
 def verify_reference_engine(folder: Path, engine: Engine) -> tuple[str, list[str]]:
@@ -452,7 +381,7 @@ def verify_reference_engine(folder: Path, engine: Engine) -> tuple[str, list[str
             return "Medusa heads", [f"{folder} is vLLM's Medusa layout; {engine.name} has no Medusa loader"]
         return "Medusa heads", verify_medusa_vllm(folder)
     kind = kind_of_config(config)
-    if kind.family == "causal_lm":
+    if kind.family is CAUSAL_LM:
         return kind.title, verify_causal_lm(folder, engine.name)
     return kind.title, [
         f"{folder} is draftsmith's transformers layout of a {kind.title}, not {engine.name}'s; export it with "

@@ -74,14 +74,14 @@ def write_medusa(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Pa
 
 def usage(card: CardContext) -> list[str]:
     base, repo, k = card.base_model, card.repo_id, card.k
-    if card.kind.family == "causal_lm":
+    if card.kind.family.name == "causal_lm":
         config, model = '"method": "draft_model"', f'"model": "{repo}"'
         export = []
-    elif card.kind.family == "medusa":
+    elif card.kind.family.name == "medusa":
         config, model = '"method": "medusa"', '"model": "draft-vllm"'
         k = card.config.get("num_heads", k)  # vLLM's Medusa drafts one token per head
         export = [f"draftsmith export {repo} --to vllm --out draft-vllm"]
-    elif card.kind.family == "dflash":
+    elif card.kind.family.name == "dflash":
         config, model = '"method": "dflash"', '"model": "draft-vllm"'
         k = card.config.get("block_size", k + 1) - 1  # one block: the last token and block_size - 1 drafts
         export = [f"draftsmith export {repo} --to vllm --out draft-vllm"]

@@ -1,5 +1,7 @@
 """The published model card: YAML metadata, the measured numbers of an eval report, recipe and usage.
 
+What the draft is (its ``library_name``, its lines after the target's) is its family's (``Family``).
+
 The usage section is generated from the engine records: a section per engine that takes the draft's
 kind (the engine's own snippet, ``draftsmith/export/<engine>.py``), and the reasons of those that do not.
 """
@@ -183,7 +185,7 @@ def render_card(
     tags = ["speculative-decoding", "draft-model", "draftsmith", ckpt.kind.name]
     meta: dict = {
         "base_model": base_model,
-        "library_name": "transformers" if family == "causal_lm" else "draftsmith",
+        "library_name": family.library_name,
         "license": license,
         "tags": tags,
         "pipeline_tag": "text-generation",
@@ -202,24 +204,8 @@ def render_card(
         f"{target.get('hidden_size')}, vocabulary {target.get('vocab_size')}, tokenizer fingerprint "
         f"`{target.get('tokenizer_fingerprint')}`)",
     ]
-    c = ckpt.config
-    if family in ("eagle", "medusa"):
-        lines.append(
-            f"- reads target layers {c.get('capture_layer_ids')} ({c.get('layer_id_convention')}: output of decoder "
-            "layer i, 0-based, before the final norm)"
-        )
-    if family == "eagle":
-        lines.append(
-            f"- draft vocabulary: {c.get('draft_vocab_size')} of the target's {c.get('vocab_size')} tokens "
-            "(`d2t`: absolute target ids, ascending; `t2d`: mask over the target vocabulary)"
-        )
-    elif family == "medusa":
-        lines.append(f"- {c.get('num_heads')} heads of {c.get('num_layers')} residual blocks each")
-    else:
-        lines.append(
-            f"- architecture {c.get('architectures')}, {c.get('num_hidden_layers')} layers, hidden size "
-            f"{c.get('hidden_size')}"
-        )
+    if family.card_lines is not None:
+        lines += family.card_lines(ckpt.config)  # what the draft is: its family's lines
     lines.append("")
     lines += metrics_section(ev, plot) if ev else ["## Measured speed-up", "", "Not measured yet.", ""]
     if recipe:
