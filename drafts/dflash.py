@@ -30,7 +30,7 @@ from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.features import LAYER_ID_CONVENTION, decoder_layers
 from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.drafts.base import DFLASH, DRAFT_KIND_KEY, DraftKind, check_target, register
-from draftsmith.drafts.eagle_parts import copy_final_norm
+from draftsmith.drafts.eagle_parts import build_vocab_map, copy_final_norm
 from draftsmith.drafts.engines import HF, VLLM
 
 MAX_BLOCK = 64
@@ -95,6 +95,7 @@ class DFlashConfig(PretrainedConfig):
         vocab_size: int = 32000,
         block_size: int = 8,
         mask_token_id: int = 0,
+        draft_vocab_size: int | None = None,
         capture_layer_ids: list[int] | None = None,
         layer_id_convention: str = LAYER_ID_CONVENTION,
         target: dict | None = None,
@@ -124,6 +125,9 @@ class DFlashConfig(PretrainedConfig):
         self.rope_theta = float(rope_theta)
         self.max_position_embeddings = max_position_embeddings
         self.vocab_size = vocab_size
+        self.draft_vocab_size = min(int(draft_vocab_size or vocab_size), int(vocab_size))
+        """Below ``vocab_size``: the draft scores its own most frequent tokens with a head of its own (``d2t``
+        maps them to the target's ids); otherwise it shares the target's LM head."""
         self.block_size = int(block_size)
         self.mask_token_id = int(mask_token_id)
         self.capture_layer_ids = list(capture_layer_ids or [0])
@@ -141,6 +145,7 @@ class DFlashConfig(PretrainedConfig):
         block_size: int = 8,
         capture_layer_ids: list[int] | None = None,
         mask_token_id: int | None = None,
+        draft_vocab_size: int | None = None,
     ) -> DFlashConfig:
         """A config whose dimensions, rotary base and taps come from ``target`` (a decode Target)."""
         tcfg = target.config
@@ -166,6 +171,7 @@ class DFlashConfig(PretrainedConfig):
             rope_theta=float(rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0))),
             max_position_embeddings=max_positions,
             vocab_size=vocab,
+            draft_vocab_size=draft_vocab_size,
             block_size=block_size,
             mask_token_id=default_mask_token(target.tokenizer, vocab)
             if mask_token_id is None
@@ -289,12 +295,37 @@ class DFlashDraft(PreTrainedModel):
         self.hidden_norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
         self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config.rope_config())
+        if self.has_own_head:
+            self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+            d2t, t2d = build_vocab_map(torch.zeros(config.vocab_size), config.draft_vocab_size)
+            self.register_buffer("d2t", d2t)
+            self.register_buffer("t2d", t2d)
         self.post_init()
 
+    @property
+    def has_own_head(self) -> bool:
+        """Whether the draft scores a reduced vocabulary with a head of its own (else the target's LM head)."""
+        return self.config.draft_vocab_size < self.config.vocab_size
+
     @torch.no_grad()
-    def init_from_target(self, model: nn.Module) -> None:
-        """Start the output norm as the target's final norm where an RMSNorm reproduces it (else ones)."""
+    def init_from_target(self, model: nn.Module, token_counts: torch.Tensor | None = None) -> None:
+        """Start the output norm as the target's final norm where an RMSNorm reproduces it (else ones); a
+        reduced vocabulary keeps the ``token_counts`` most frequent ids, its head their rows of the target's."""
         copy_final_norm(model, self.norm)
+        if self.has_own_head:
+            if token_counts is None or token_counts.numel() != self.config.vocab_size:
+                raise ValueError(
+                    f"a DFlash draft vocabulary of {self.config.draft_vocab_size} < {self.config.vocab_size} needs "
+                    "token_counts over the target's vocabulary; or set draft_vocab_size to the target's"
+                )
+            d2t, t2d = build_vocab_map(token_counts, self.config.draft_vocab_size)
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+            self.lm_head.weight.copy_(model.get_output_embeddings().weight[d2t].to(self.lm_head.weight.dtype))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids as the target's."""
+        return self.d2t[draft_ids] if self.has_own_head else draft_ids
 
     def _rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary_emb(like, positions)
@@ -321,11 +352,13 @@ class DFlashDraft(PreTrainedModel):
         context: list[KV] | None = None,
         features: dict[int, torch.Tensor] | None = None,
         feature_positions: torch.Tensor | None = None,
+        target_head: nn.Module | None = None,
     ) -> torch.Tensor:
         """Blocks' input embeddings [B, N, Q, H] at ``positions`` [B, N, Q] over a context — cached keys / values
         (``context()``), or target ``features`` at ``feature_positions`` [B, C] (training: through forward, so
         DDP / FSDP see every parameter) — where ``context_mask`` [B, N, C] allows → normed hidden states
-        [B, N, Q, H]; the target's LM head over them gives the logits."""
+        [B, N, Q, H]; or, with the target's LM head (``target_head``) or a head of its own, the logits of slots
+        1..Q-1 over the draft vocabulary [B, N, Q - 1, Vd] (inside forward, for DDP / FSDP)."""
         if context is None:
             context = self.context(features, feature_positions)
         B, N, Q, _ = embeds.shape
@@ -333,7 +366,11 @@ class DFlashDraft(PreTrainedModel):
         rope = self._rope(h, positions.reshape(B, N * Q))
         for layer, kv in zip(self.layers, context):
             h = layer(h, rope, kv, context_mask)
-        return self.norm(h)
+        h = self.norm(h)
+        head = self.lm_head if self.has_own_head else target_head
+        if head is None:
+            return h
+        return head(h[:, :, 1:].to(head.weight.dtype))
 
 
 def block_inputs(
@@ -385,7 +422,7 @@ class DFlashDrafter(Drafter):
         self._extend(features)
 
     def block_logits(self, last_token: int, position: int) -> torch.Tensor:
-        """Logits [Q - 1, V] of the block after ``last_token`` at ``position`` (context: positions before it)."""
+        """Logits [Q - 1, Vd] (the draft vocabulary) of the block after ``last_token`` at ``position`` (context: positions before it)."""
         cfg = self.draft.config
         device = self.embed_weight.device
         ids, positions = block_inputs(
@@ -393,8 +430,9 @@ class DFlashDrafter(Drafter):
             cfg.block_size, cfg.mask_token_id,
         )  # fmt: skip
         mask = torch.ones(1, 1, self.length, dtype=torch.bool, device=device)
-        hidden = self.draft(F.embedding(ids, self.embed_weight), positions, mask, context=self.context)
-        return self.lm_head(hidden[0, 0, 1:].to(self.lm_head.weight.dtype)).float()
+        logits = self.draft(F.embedding(ids, self.embed_weight), positions, mask, context=self.context,
+                            target_head=self.lm_head)  # fmt: skip
+        return logits[0, 0].float()
 
     @torch.inference_mode()
     def propose(
@@ -410,9 +448,12 @@ class DFlashDrafter(Drafter):
             )
         logits = self.block_logits(int(tokens[-1]), self.length)[:n]
         if sampling.greedy:
-            return Proposal(logits.argmax(-1).to(tokens.device))
+            return Proposal(self.draft.to_target_ids(logits.argmax(-1)).to(tokens.device))
         probs = to_probs(logits, sampling)
-        return Proposal(sample(probs, generator).to(tokens.device), probs)
+        drafted = self.draft.to_target_ids(sample(probs, generator))
+        if self.draft.has_own_head:  # the distributions over the target's vocabulary, for the verify rule
+            probs = probs.new_zeros(n, self.draft.config.vocab_size).index_copy_(1, self.draft.d2t, probs)
+        return Proposal(drafted.to(tokens.device), probs)
 
     @torch.inference_mode()
     def commit(self, num_accepted: int, features: dict[int, torch.Tensor] | None) -> None:

@@ -31,8 +31,9 @@ def target(request):
 def trained(target, block_size: int, steps: int = 40, **options):
     """A draft trained on the target's own greedy continuations (so decoding accepts some of its blocks)."""
     batch = self_distilled_batch(target)
+    counts = torch.bincount(batch.input_ids[batch.loss_mask.bool()], minlength=target.vocab_size)
     objective = build_objective(
-        "dflash", target, {"block_size": block_size, "anchors_per_row": 16, **options}
+        "dflash", target, {"block_size": block_size, "anchors_per_row": 16, **options}, counts
     )
     teacher = make_teacher(target, batch, objective.capture_layers, 64)
     draft, losses, logs = train(objective, batch, teacher, steps=steps)
@@ -109,6 +110,29 @@ def test_packed_rows_see_only_their_own_conversation(target):
                                  torch.tensor([[True]]))  # fmt: skip
     want = objective.block_logits(draft, alone, t_alone, torch.tensor([[7]]), torch.tensor([[True]]))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_draft_vocabulary_of_its_own_drafts_target_ids_and_stays_lossless(target):
+    objective, draft, batch, _, losses, _ = trained(target, 8, draft_vocab_size=120)
+    assert draft.has_own_head and draft.lm_head.weight.shape == (120, target.config.hidden_size)
+    assert losses[-1] < 0.8 * losses[0]
+    drafter = DFlashDrafter(draft, target.model)
+    prompt = batch.input_ids[0, :6]
+    reference = generate(target, prompt, None, max_new_tokens=24).tokens
+    result = generate(target, prompt, drafter, 7, 24)
+    assert result.tokens == reference and sum(result.accepted) > 0
+    committed = torch.cat([prompt, torch.tensor(reference[:1])])
+    target.set_capture(drafter.capture_layers)
+    target.reset()
+    drafter.begin(prompt, target.forward(prompt).features)
+    proposal = drafter.propose(committed, 7, SAMPLING, torch.Generator().manual_seed(0))
+    assert proposal.probs.shape == (7, target.vocab_size)  # over the target's vocabulary, for the verify rule
+    outside = torch.ones(target.vocab_size, dtype=torch.bool)
+    outside[draft.d2t] = False
+    assert float(proposal.probs[:, outside].sum()) == 0 and bool(draft.t2d[proposal.tokens].all())
+    target.set_capture(())
+    with pytest.raises(ValueError, match="draft_vocab_size 120 < the target's 259 needs the training data's"):
+        build_objective("dflash", target, {"draft_vocab_size": 120})
 
 
 # ---- sampling: the committed tokens keep the target's distribution ----------------------------------
@@ -270,6 +294,24 @@ def dflash_run(tmp_path_factory):
     objective.save(objective.build_draft().eval(), run / "draft")
     (run / "config.yaml").write_text("draft: {kind: dflash}\n")
     return target, run
+
+
+def test_a_draft_vocabulary_exports_with_its_head_and_vllms_offsets(tmp_path):
+    from safetensors.torch import load_file
+
+    from draftsmith.draft_checkpoint import locate_checkpoint
+    from draftsmith.export import export_checkpoint, verify_export
+
+    target = tiny_target("llama", layers=4)
+    counts = torch.arange(target.vocab_size).flip(0)  # low ids most frequent
+    objective = build_objective("dflash", target, {"block_size": 4, "draft_vocab_size": 100}, counts)
+    objective.save(objective.build_draft().eval(), tmp_path / "draft")
+    out = export_checkpoint(locate_checkpoint(str(tmp_path / "draft")), "vllm", tmp_path / "vllm")
+    assert verify_export(out, "vllm")
+    tensors = load_file(out / "model.safetensors")
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 100
+    assert torch.equal(tensors["d2t"], torch.zeros(100, dtype=torch.long))  # ids 0..99: offsets all 0
+    assert "t2d" not in tensors and tensors["lm_head.weight"].shape == (100, target.config.hidden_size)
 
 
 def test_exports_to_vllms_layout_and_other_engines_refuse_naming_why(dflash_run, tmp_path, capsys):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -42,6 +43,7 @@ def vllm_config(config: dict, target_layers: int) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
         "tie_word_embeddings": False,
+        "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"]),
         "layer_types": [FULL_ATTENTION] * int(config["num_hidden_layers"]),
         "num_target_layers": target_layers,
         "dflash_config": {
@@ -55,6 +57,10 @@ def vllm_config(config: dict, target_layers: int) -> dict:
 def write_vllm(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
     with safe_open(str(ckpt.draft_dir / "model.safetensors"), "pt") as f:
         state = {name: f.get_tensor(name).float().contiguous() for name in f.keys()}  # noqa: SIM118
+    state.pop("t2d", None)
+    if "d2t" in state:  # absolute target ids -> vLLM's offsets (target id = draft id + d2t[draft id])
+        d2t = state["d2t"].long()
+        state["d2t"] = (d2t - torch.arange(d2t.numel())).contiguous()
     config = vllm_config(ckpt.config, int(ckpt.target.get("num_hidden_layers", 0)))
     config[SOURCE_KEY] = {"kind": ckpt.kind.name, "target": ckpt.target}
 
@@ -75,6 +81,9 @@ def expected_tensors(config: dict) -> dict[str, tuple[int, ...]]:
     )
     taps = len((config.get("dflash_config") or {}).get("target_layer_ids") or [])
     want = {"fc.weight": (H, taps * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    V, Vd = config.get("vocab_size", 0), config.get("draft_vocab_size", config.get("vocab_size", 0))
+    if Vd < V:  # a head of its own over the draft vocabulary, and vLLM's draft_id_to_target_id
+        want |= {"lm_head.weight": (Vd, H), "d2t": (Vd,)}
     for i in range(config.get("num_hidden_layers", 0)):
         p = f"layers.{i}."
         want |= {
@@ -128,4 +137,12 @@ def verify_dflash_vllm(folder: Path) -> list[str]:
                  if n in have and have[n] != s]  # fmt: skip
     problems += [f"{n}: vLLM's DFlash model has no such parameter" for n in have
                  if n not in want and n not in ("embed_tokens.weight", "lm_head.weight")]  # fmt: skip
+    V, Vd = config.get("vocab_size", 0), config.get("draft_vocab_size", config.get("vocab_size", 0))
+    if "d2t" in have and Vd < V:
+        d2t = _read_tensors(folder)["d2t"].long()
+        ids = d2t + torch.arange(d2t.numel())
+        if d2t.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V or bool((ids[1:] <= ids[:-1]).any())):
+            problems.append(
+                "d2t is not offsets to distinct target ids in ascending order (target id = i + d2t[i])"
+            )
     return problems

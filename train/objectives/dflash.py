@@ -23,7 +23,7 @@ from torch import nn
 
 from draftsmith.drafts.base import DFLASH
 from draftsmith.drafts.dflash import DFlashConfig, DFlashDraft, block_inputs
-from draftsmith.drafts.eagle_parts import packed_segments
+from draftsmith.drafts.eagle_parts import build_vocab_map, packed_segments
 from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.objectives.common import chain_starts, same_conversation, shift_left, teacher_greedy
@@ -51,17 +51,33 @@ class DFlashObjective(Objective):
         gamma: float | None = None,
         hard_labels: bool = False,
         teacher_topk: int = 64,
+        draft_vocab_size: int | None = None,
+        token_counts: torch.Tensor | None = None,
     ):
         """``num_layers`` draft decoder layers; ``block_size`` Q (the block drafts Q - 1 tokens per forward);
         ``capture_layer_ids`` the target layers read (strictly increasing; default EAGLE-3's low / middle /
         high); ``mask_token_id`` the token embedded at the slots to draft (default: the tokenizer's mask,
         unknown or padding token); ``anchors_per_row`` blocks trained per row and step; ``gamma`` the
         position-weight decay (default 4 / 5 / 7 for blocks of 8 / 10 / 16, else Q / 2); ``hard_labels``
-        CE on the target's greedy token instead of its top-k distribution."""
+        CE on the target's greedy token instead of its top-k distribution; ``draft_vocab_size`` below the
+        target's: the draft scores only the training data's most frequent tokens, with a head of its own
+        started from the target's rows (on a CPU the LM head is most of a block's cost)."""
         self.target = target
         self.config = DFlashConfig.for_target(
-            target, num_layers, block_size, capture_layer_ids, mask_token_id
+            target, num_layers, block_size, capture_layer_ids, mask_token_id, draft_vocab_size
         )
+        V, Vd = self.config.vocab_size, self.config.draft_vocab_size
+        d2t, t2d = torch.arange(V), torch.ones(V, dtype=torch.bool)
+        if Vd < V:
+            if token_counts is None or token_counts.numel() != V:
+                raise ValueError(
+                    f"draft.options.draft_vocab_size {Vd} < the target's {V} needs the training data's token counts "
+                    "over the target's vocabulary (`draftsmith train` counts them)"
+                )
+            d2t, t2d = build_vocab_map(token_counts, Vd)
+        self.token_counts = token_counts
+        self.d2t = d2t
+        self.draft_index = torch.where(t2d, t2d.long().cumsum(0) - 1, -1)  # target id -> draft id, -1 outside
         self.capture_layers = tuple(self.config.capture_layer_ids)
         if anchors_per_row < 1:
             raise ValueError(f"draft.options.anchors_per_row must be >= 1, got {anchors_per_row}")
@@ -82,12 +98,12 @@ class DFlashObjective(Objective):
 
     def build_draft(self) -> DFlashDraft:
         draft = DFlashDraft(DFlashConfig.from_dict(self.config.to_dict()))
-        draft.init_from_target(self.target.model)
+        draft.init_from_target(self.target.model, self.token_counts)
         return draft
 
     def block_logits(self, draft: nn.Module, batch: Batch, teacher: Teacher, anchors: torch.Tensor,
                      keep: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """Logits [B, N, Q - 1, V] of the blocks at ``anchors`` [B, N] (``keep`` marks real ones)."""
+        """Logits [B, N, Q - 1, Vd] (the draft vocabulary) of the blocks at ``anchors`` [B, N] (``keep`` marks real ones)."""
         real = batch.attention_mask.bool()
         T = real.shape[1]
         positions = (
@@ -110,9 +126,8 @@ class DFlashObjective(Objective):
             & keep[..., None]
         )
         features = {i: teacher.features[i] for i in self.capture_layers}
-        hidden = draft(F.embedding(ids, self.embed_weight), block_positions, context_mask, features=features,
-                       feature_positions=positions)  # fmt: skip
-        return self.lm_head(hidden[:, :, 1:].to(self.lm_head.weight.dtype))
+        return draft(F.embedding(ids, self.embed_weight), block_positions, context_mask, features=features,
+                     feature_positions=positions, target_head=self.lm_head)  # fmt: skip
 
     def slot_labels(self, batch: Batch, teacher: Teacher, anchors: torch.Tensor, keep: torch.Tensor):
         """Per slot i of each block: where it counts [B, N, Q - 1] and the teacher's index (row, position a+i-1)."""
@@ -151,22 +166,24 @@ class DFlashObjective(Objective):
     def loss(self, draft: nn.Module, batch: Batch, teacher: Teacher) -> dict[str, torch.Tensor]:
         anchors, keep = self.sample_anchors(batch)
         counts, teacher_pos = self.slot_labels(batch, teacher, anchors, keep)
-        logits = self.block_logits(draft, batch, teacher, anchors, keep)  # [B, N, Q-1, V]
+        logits = self.block_logits(draft, batch, teacher, anchors, keep)  # [B, N, Q-1, Vd]
+        d2t, draft_index = self.d2t.to(logits.device), self.draft_index.to(logits.device)
         B = anchors.shape[0]
         rows = torch.arange(B, device=anchors.device)[:, None, None].expand_as(teacher_pos)
         greedy = teacher_greedy(teacher)[rows, teacher_pos]
         selected = logits[counts].float()
-        if self.hard_labels:
-            ce = F.cross_entropy(selected, greedy[counts], reduction="none")
+        if self.hard_labels:  # a greedy token outside the draft vocabulary cannot be drafted: left out
+            labels = draft_index[greedy[counts]]
+            ce, has_mass = F.cross_entropy(selected, labels.clamp_min(0), reduction="none"), labels >= 0
         else:
-            ce, _ = soft_topk_cross_entropy(
+            ce, has_mass = soft_topk_cross_entropy(
                 selected,
                 teacher.topk_logits[rows, teacher_pos][counts],
-                teacher.topk_ids[rows, teacher_pos][counts],
+                draft_index[teacher.topk_ids[rows, teacher_pos][counts]],
             )
-        weights = torch.tensor(self.slot_weights, device=ce.device).expand_as(counts)[counts]
+        weights = torch.tensor(self.slot_weights, device=ce.device).expand_as(counts)[counts] * has_mass
         total = (weights * ce).sum() / weights.sum().clamp_min(1e-9)
-        hits = (logits.argmax(-1) == greedy) & counts
+        hits = (d2t[logits.argmax(-1)] == greedy) & counts
         logs = {"tokens": counts[..., 0].sum().float()}
         for i in range(min(4, counts.shape[-1])):
             logs[f"acc_{i}"] = hits[..., i].sum().float() / counts[..., i].sum().clamp_min(1)
@@ -195,7 +212,7 @@ class DFlashObjective(Objective):
                     draft, row, feats, anchors, torch.ones_like(anchors, dtype=torch.bool)
                 )
                 expected = torch.stack([greedy[b, c + 1 + j] for j in range(n)], dim=-1)  # target's t+2+j
-                matches = logits[0, :, :n].argmax(-1) == expected
+                matches = self.d2t.to(logits.device)[logits[0, :, :n].argmax(-1)] == expected
                 accepted[b, c] = matches.long().cumprod(-1).sum(-1)
         return accepted, starts
 
@@ -203,4 +220,4 @@ class DFlashObjective(Objective):
 @register_objective(DFLASH, check=lambda options: check_options(DFlashObjective, DFLASH, options))
 def _build(target, options: dict, token_counts=None) -> DFlashObjective:
     check_options(DFlashObjective, DFLASH, options)
-    return DFlashObjective(target, **options)
+    return DFlashObjective(target, token_counts=token_counts, **options)
