@@ -10,7 +10,7 @@ import yaml
 
 from draftsmith.cli import main
 from draftsmith.train.config import load_config, parse_overrides
-from draftsmith.train.registry import build_objective, objective_kinds
+from draftsmith.train.registry import build_objective, check_objective_options, objective_kinds
 from draftsmith.train.schema import TrainConfig, describe, to_dict
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
@@ -33,6 +33,7 @@ def test_every_recipe_parses(path):
     config = load_config(path)
     assert isinstance(config, TrainConfig) and (config.data.paths or config.data.regenerated)
     assert config.draft.kind in objective_kinds()
+    check_objective_options(config.draft.kind, config.draft.options)  # its kind's options class takes them
 
 
 def test_every_key_has_help_text():

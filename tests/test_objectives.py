@@ -39,3 +39,28 @@ def test_a_module_that_registers_nothing_is_named(monkeypatch):
         RuntimeError, match=r"draftsmith.train.objectives.common registers no objective.*'ngram'"
     ):
         check_objective_options("ngram", {})
+
+
+def test_options_are_typed_checked_with_the_fix_and_listed_in_help(capsys):
+    from draftsmith.cli import main
+    from draftsmith.drafts.base import DISTILL, EAGLE3, MEDUSA, MIRROR
+
+    with pytest.raises(ValueError, match=r"unknown key 'draft.options.num_head'.*Did you mean 'num_heads'"):
+        check_objective_options(MEDUSA, {"num_head": 3})
+    with pytest.raises(ValueError, match=r"'medusa': draft.options.num_heads must be >= 1, got 0"):
+        check_objective_options(MEDUSA, {"num_heads": 0})
+    with pytest.raises(ValueError, match=r"draft.options.ttt_steps: input should be a valid integer.*'many'"):
+        check_objective_options(EAGLE3, {"ttt_steps": "many"})
+    with pytest.raises(ValueError, match=r"draft.options.loss is 'kl'; choose one of 'fkl', 'rkl'"):
+        check_objective_options(DISTILL, {"loss": "kl"})
+    with pytest.raises(ValueError, match=r"kappa must be >= 1"):
+        check_objective_options(MIRROR, {"kappa": 0})
+    check_objective_options(MIRROR, {"kappa": 2, "ttt_steps": 2})  # EAGLE-3's options and its own
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    medusa = out[out.index("draft.options of kind medusa:") :]
+    assert "num_heads  (int >= 1, default 4)" in medusa and "Residual blocks per head." in medusa
+    mirror = out[out.index("draft.options of kind mirror:") :]
+    assert "Decoder layers in the head" in mirror.split("early_exit_layer")[0]  # inherited, still described

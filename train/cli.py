@@ -12,7 +12,7 @@ import sys
 
 from draftsmith.train.config import load_config
 from draftsmith.train.registry import objective_kinds
-from draftsmith.train.schema import describe
+from draftsmith.train.schema import describe, describe_options
 
 EXAMPLE = """examples:
   draftsmith train configs/debug_eagle3.yaml
@@ -26,6 +26,14 @@ strategies, presets, launchers and the exact-resume guarantees: docs/TRAINING.md
 """
 
 
+class LazyEpilog(argparse.RawDescriptionHelpFormatter):
+    """An epilog given as a function is written when help is printed: the kinds' options import their
+    objectives (torch), which no other command line should wait for."""
+
+    def add_text(self, text):
+        super().add_text(text() if callable(text) else text)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "train",
@@ -35,8 +43,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "of the sections below; any key can be overridden as --section.key=value (values are read "
             "as YAML: 5, 1e-4, true, [a.jsonl, b.jsonl])."
         ),
-        epilog=f"{EXAMPLE}\ndraft kinds: {', '.join(objective_kinds())}\n\nconfig keys:\n{describe()}",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=lambda: (
+            f"{EXAMPLE}\ndraft kinds: {', '.join(objective_kinds())}\n\nconfig keys:\n{describe()}\n"
+            f"{describe_options()}"
+        ),
+        formatter_class=LazyEpilog,
     )
     parser.add_argument("config", help="YAML recipe (see configs/)")
     parser.add_argument(

@@ -2,16 +2,22 @@
 
 The kinds and their names are ``drafts/base.py``'s records; which of them train, and by which module of
 ``train/objectives/``, is train's own knowledge (``OBJECTIVE_MODULES``). That module registers a factory
-with ``@register_objective(kind)`` when it is first imported, so reading a recipe imports no objective.
+with ``@register_objective(kind, options=OptionsClass)`` when it is first imported, so reading a recipe
+imports no objective. The options class (a pydantic dataclass like ``train/schema.py``'s sections, each
+field's docstring its help) is the one source of a kind's ``draft.options``: their check (unknown key
+with the closest valid one, type, range, choice), their defaults and their ``train --help`` section.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from pydantic import TypeAdapter, ValidationError
 
 from draftsmith.drafts.base import DFLASH, DISTILL, EAGLE1, EAGLE3, MEDUSA, MIRROR, draft_kind, kind_names
 
@@ -41,25 +47,66 @@ OBJECTIVE_MODULES = {
 for). A kind of ``drafts/`` missing here needs no training (n-gram, layer subset, another pipeline's head)."""
 
 ObjectiveFactory = Callable[["Target", dict[str, Any], "torch.Tensor | None"], "Objective"]
-"""``(target, draft.options, token_counts or None) -> Objective``."""
+"""``(target, draft.options, token_counts or None) -> Objective``; with an options class, the options are
+every field of it, checked and with its defaults filled in."""
 
 _OBJECTIVES: dict[str, ObjectiveFactory] = {}
 _OPTION_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {}
+_OPTION_CLASSES: dict[str, type] = {}
 
 
 def register_objective(
-    kind: str, check: Callable[[dict[str, Any]], None] | None = None
+    kind: str, check: Callable[[dict[str, Any]], None] | None = None, options: type | None = None
 ) -> Callable[[ObjectiveFactory], ObjectiveFactory]:
-    """Decorator: make ``draft.kind: <kind>`` build its objective with this factory. ``check(options)``
-    refuses bad ``draft.options`` without a target, so a run fails before it loads one."""
+    """Decorator: make ``draft.kind: <kind>`` build its objective with this factory. ``options``, the kind's
+    options class, checks ``draft.options`` (before a target loads) and fills in its defaults; a kind
+    without one may pass ``check(options)``, which refuses bad options without a target."""
 
     def wrap(factory: ObjectiveFactory) -> ObjectiveFactory:
         _OBJECTIVES[kind] = factory
+        if options is not None:
+            _OPTION_CLASSES[kind] = options
         if check is not None:
             _OPTION_CHECKS[kind] = check
         return factory
 
     return wrap
+
+
+def options_class(kind: str) -> type | None:
+    """The options class of a trainable kind (importing its objective's module), or None if it has none."""
+    _provide(kind)
+    return _OPTION_CLASSES.get(kind)
+
+
+def parse_options(kind: str, cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    """``draft.options`` checked against the options class ``cls``: every field, with its default where
+    not given; a ValueError naming each bad key (an unknown one with the closest valid one)."""
+    try:
+        return dataclasses.asdict(TypeAdapter(cls).validate_python(dict(options)))
+    except ValidationError as error:
+        fields = sorted(f.name for f in dataclasses.fields(cls))
+        problems = []
+        for e in error.errors():
+            key = ".".join(str(part) for part in e["loc"])
+            if e["type"] == "unexpected_keyword_argument":
+                raise unknown_key(f"draft.options.{key}", fields, f"draft.options of kind {kind!r}") from None
+            problems.append(_option_problem(f"draft.options.{key}", e))
+        raise ValueError(f"draft.options of kind {kind!r}: " + "; ".join(problems)) from None
+
+
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def _option_problem(key: str, e: dict) -> str:
+    """One pydantic error as the fix: the bound or the choices the value must meet."""
+    ctx, got = e.get("ctx") or {}, e.get("input")
+    if e["type"] in _BOUNDS:
+        limit = next(iter(ctx.values()))
+        return f"{key} must be {_BOUNDS[e['type']]} {limit}, got {got!r}"
+    if e["type"] == "literal_error":
+        return f"{key} is {got!r}; choose one of {ctx.get('expected')}"
+    return f"{key}: {e['msg'].lower()}, got {got!r}"
 
 
 def check_kind(kind: str) -> None:
@@ -87,6 +134,8 @@ def _provide(kind: str) -> None:
 def check_objective_options(kind: str, options: dict[str, Any]) -> None:
     """The checks of ``draft.kind`` / ``draft.options`` that need no target (unknown kind or key, ...)."""
     _provide(kind)
+    if kind in _OPTION_CLASSES:
+        parse_options(kind, _OPTION_CLASSES[kind], options)
     if kind in _OPTION_CHECKS:
         _OPTION_CHECKS[kind](dict(options))
 
@@ -99,11 +148,14 @@ def objective_kinds() -> list[str]:
 def build_objective(kind: str, target: Target, options: dict[str, Any], token_counts=None) -> Objective:
     """Build the objective for a draft kind (importing the module that provides it on first use)."""
     _provide(kind)
+    if kind in _OPTION_CLASSES:
+        options = parse_options(kind, _OPTION_CLASSES[kind], options)
     return _OBJECTIVES[kind](target, dict(options), token_counts)
 
 
 def check_options(cls: type, kind: str, options: dict[str, Any]) -> None:
-    """Refuse ``draft.options`` keys that ``cls``'s constructor does not take, naming the valid ones."""
+    """Refuse ``draft.options`` keys that ``cls``'s constructor does not take, naming the valid ones (for a
+    kind without an options class)."""
     accepted = _constructor_options(cls)
     for key in options:
         if accepted is not None and key not in accepted:

@@ -19,7 +19,7 @@ from pydantic.dataclasses import dataclass
 from pydantic.fields import FieldInfo
 
 from draftsmith.drafts.base import EAGLE3
-from draftsmith.train.registry import objective_kinds, unknown_key
+from draftsmith.train.registry import objective_kinds, options_class, unknown_key
 
 SECTION = ConfigDict(extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)
 """Every section: unknown keys are errors, field docstrings are descriptions, YAML numbers may be text."""
@@ -76,8 +76,7 @@ class DraftConfig:
     kind: str = EAGLE3
     """Draft kind; its objective is built from the registry (see ``objective_kinds()``)."""
     options: Options = field(default_factory=dict)
-    """Free options passed to the kind's objective constructor, which validates them
-    (e.g. num_layers, layers, draft_vocab_size, ttt_steps for EAGLE)."""
+    """The kind's own options, checked by its options class (listed below, a section per kind)."""
 
 
 @dataclass(config=SECTION)
@@ -202,9 +201,18 @@ def to_dict(config: TrainConfig) -> dict[str, Any]:
     return TypeAdapter(TrainConfig).dump_python(config, mode="json")
 
 
+def _bounds(metadata: list) -> str:
+    """A field's range constraints as help shows them: `` >= 1``, `` >= 0.0, <= 1.0``."""
+    ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+    found = [f"{op} {getattr(m, name)}" for m in metadata for name, op in ops.items() if hasattr(m, name)]
+    return " " + ", ".join(found) if found else ""
+
+
 def _type_name(tp: Any) -> str:
-    """A key's type as help shows it: ``online|offline``, ``int|null``, ``list[str]``."""
+    """A key's type as help shows it: ``online|offline``, ``int|null``, ``list[str]``, ``int >= 1``."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated:
+        return _type_name(args[0]) + _bounds([m for a in args[1:] for m in getattr(a, "metadata", [a])])
     if origin is Literal:
         return "|".join(str(a) for a in args)
     if origin in (typing.Union, types.UnionType):
@@ -220,7 +228,8 @@ def _key_help(key: str, info: FieldInfo, indent: str) -> str:
     doc = textwrap.fill(
         info.description or "", 100, initial_indent=pad, subsequent_indent=pad, break_on_hyphens=False
     )
-    return f"{indent}{key}  ({_type_name(info.annotation)}, default {default!r})\n{doc}"
+    kind = _type_name(info.annotation) + _bounds(info.metadata)
+    return f"{indent}{key}  ({kind}, default {default!r})\n{doc}"
 
 
 def describe() -> str:
@@ -233,4 +242,29 @@ def describe() -> str:
         lines += [
             _key_help(f"{name}.{key}", sub, "  ") for key, sub in info.annotation.__pydantic_fields__.items()
         ]
+    return "\n".join(lines)
+
+
+def _documented(cls: type, key: str) -> FieldInfo:
+    """A field of an options class with its docstring, which pydantic reads only in the class that
+    declares the field (a subclass's inherited fields have none)."""
+    info = cls.__pydantic_fields__[key]
+    for base in cls.__mro__:
+        described = getattr(base, "__pydantic_fields__", {}).get(key)
+        if described is not None and described.description:
+            return FieldInfo.merge_field_infos(info, description=described.description)
+    return info
+
+
+def describe_options() -> str:
+    """Each trainable kind's ``draft.options`` with type, default and docstring (its options class; imports
+    the objectives): the end of ``train --help``."""
+    lines = []
+    for kind in objective_kinds():
+        cls = options_class(kind)
+        if cls is None:
+            lines.append(f"\ndraft.options of kind {kind}:  its objective's keyword arguments")
+            continue
+        lines.append(f"\ndraft.options of kind {kind}:")
+        lines += [_key_help(key, _documented(cls, key), "  ") for key in cls.__pydantic_fields__]
     return "\n".join(lines)

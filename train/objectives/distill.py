@@ -5,16 +5,7 @@ match the target's next-token distribution with one of the divergences of ``trai
 Alignment: the draft's and the teacher's logits at position t both predict token t + 1, so
 position t is learnt when token t + 1 is a real assistant token (``next_token_mask``).
 
-Options (``draft.options``), all optional:
-
-- ``init``: ``"target_layers"`` (copies of target layers ``layer_ids``, default ``num_layers``
-  evenly spaced layers, first and last included), ``"config"`` (fresh model with ``num_layers``,
-  ``hidden_size``, ``intermediate_size``), or ``"pretrained"`` (load ``path``).
-- ``loss``: ``fkl`` | ``rkl`` | ``jsd`` (with ``beta``) | ``tvd`` | ``ce`` (on the teacher's greedy
-  tokens, or the data's with ``ce_labels: data``); ``temperature`` softens both distributions.
-- ``teacher_topk``: 0 = full logits, else the loss sees only the teacher's top-k (see losses.py).
-- ``lora``: None or ``{r, alpha, dropout, target_modules}``; ``merge_lora`` on save.
-- ``dtype``: the draft's training dtype (default float32); ``seed`` for a fresh init.
+Options (``draft.options``): ``DistillOptions``, each field's docstring its help (``train --help``).
 
 On-policy data (DistillSpec): ``mix_on_policy`` replaces a fraction of a batch's rows with the
 draft's own continuations of their prompts, for the loop to score with the target.
@@ -23,9 +14,11 @@ draft's own continuations of their prompts, for the loop to score with the targe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
+from pydantic import Field
+from pydantic.dataclasses import dataclass
 from torch import nn
 
 from draftsmith.decode.target import Target
@@ -34,31 +27,53 @@ from draftsmith.loading import resolve_dtype
 from draftsmith.train.losses import LOSSES, TokenLoss, distillation_loss, teacher_labels, token_count
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.objectives.on_policy import mix_on_policy
-from draftsmith.train.registry import register_objective, unknown_key
+from draftsmith.train.registry import parse_options, register_objective
+from draftsmith.train.schema import SECTION
 
-INITS = ("target_layers", "config", "pretrained")
-DEFAULTS: dict[str, Any] = {
-    "init": "target_layers",
-    "num_layers": 2,
-    "layer_ids": None,
-    "hidden_size": None,
-    "intermediate_size": None,
-    "path": None,
-    "loss": "fkl",
-    "beta": 0.5,
-    "temperature": 1.0,
-    "teacher_topk": 0,
-    "ce_labels": "teacher",
-    "lora": None,
-    "merge_lora": True,
-    "dtype": "float32",
-    "seed": 0,
-    "on_policy_fraction": 0.0,
-    "on_policy_max_new_tokens": 64,
-    "on_policy_temperature": 1.0,
-}
-"""``on_policy_fraction``: the share of each training batch replaced by the draft's own continuations
-of the batch's prompts, scored by the target (DistillSpec's on-policy data; 0 = fixed data only)."""
+
+@dataclass(config=SECTION)
+class DistillOptions:
+    """``draft.options`` of ``distill`` (see the module docstring)."""
+
+    init: Literal["target_layers", "config", "pretrained"] = "target_layers"
+    """How the draft starts: copies of target layers (layer_ids, or num_layers evenly spaced), a fresh model of
+    the target's architecture (num_layers, hidden_size, intermediate_size), or a model loaded from path."""
+    num_layers: Annotated[int, Field(ge=1)] = 2
+    """Decoder layers of the draft (init target_layers without layer_ids, or config)."""
+    layer_ids: list[int] | None = None
+    """init target_layers: which target layers to copy (null = num_layers evenly spaced, first and last)."""
+    hidden_size: Annotated[int, Field(ge=1)] | None = None
+    """init config: hidden size (null = the target's)."""
+    intermediate_size: Annotated[int, Field(ge=1)] | None = None
+    """init config: MLP width (null = the target's)."""
+    path: str | None = None
+    """init pretrained: a model directory or Hub id on the target's tokenizer."""
+    loss: Literal[tuple(LOSSES)] = "fkl"
+    """The divergence: fkl, rkl, jsd (with beta), tvd, or ce on the teacher's greedy tokens (or the data's,
+    ce_labels: data)."""
+    beta: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    """jsd's mixture weight."""
+    temperature: Annotated[float, Field(gt=0.0)] = 1.0
+    """Softens both distributions."""
+    teacher_topk: Annotated[int, Field(ge=0)] = 0
+    """0 = the teacher's full logits, else the loss sees only its top-k (train/losses.py)."""
+    ce_labels: Literal["teacher", "data"] = "teacher"
+    """What loss: ce is scored against: the teacher's greedy tokens or the data's."""
+    lora: dict[str, Any] | None = None
+    """Train a LoRA adapter instead of every weight: {r, alpha, dropout, target_modules} (null = none)."""
+    merge_lora: bool = True
+    """Merge the adapter into the weights on save."""
+    dtype: str = "float32"
+    """The draft's training dtype."""
+    seed: int = 0
+    """Seed of a fresh init (init config) and of the on-policy samples."""
+    on_policy_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    """The share of each training batch replaced by the draft's own continuations of the batch's prompts,
+    scored by the target (DistillSpec's on-policy data; 0 = fixed data only)."""
+    on_policy_max_new_tokens: Annotated[int, Field(ge=1)] = 64
+    """Tokens the draft samples per on-policy continuation."""
+    on_policy_temperature: Annotated[float, Field(ge=0.0)] = 1.0
+    """Sampling temperature of the on-policy continuations (0 = greedy)."""
 
 
 def next_token_mask(batch: Batch) -> torch.Tensor:
@@ -99,31 +114,15 @@ class DistillObjective(Objective):
     capture_layers = ()
 
     def __init__(self, target: Target, options: dict[str, Any] | None = None):
-        check_distill_options(options or {})
-        opts = {**DEFAULTS, **(options or {})}
-        if opts["init"] not in INITS:
-            raise ValueError(f"distill option init={opts['init']!r}; choose one of {', '.join(INITS)}")
-        if opts["loss"] not in LOSSES:
-            raise ValueError(f"distill option loss={opts['loss']!r}; choose one of {', '.join(LOSSES)}")
-        if opts["ce_labels"] not in ("teacher", "data"):
-            raise ValueError(f"distill option ce_labels={opts['ce_labels']!r}; choose 'teacher' or 'data'")
+        """``options``: ``draft.options`` (``DistillOptions``; checked here, so a direct call is checked too)."""
+        opts = parse_options(distill.DISTILL, DistillOptions, options or {})
         if opts["init"] == "pretrained" and not opts["path"]:
             raise ValueError("distill option init='pretrained' needs path: a model directory or Hub id")
-        if not 0.0 <= float(opts["beta"]) <= 1.0 or float(opts["temperature"]) <= 0:
-            raise ValueError(
-                f"distill needs 0 <= beta <= 1 and temperature > 0, got {opts['beta']}, {opts['temperature']}"
-            )
         topk = int(opts["teacher_topk"])
-        if topk < 0:
-            raise ValueError(f"distill option teacher_topk={topk} must be >= 0 (0 = the full logits)")
         self.target = target
         self.options = opts
         self.teacher_topk = target.vocab_size if topk == 0 else min(topk, target.vocab_size)
         self.merge_lora = bool(opts["merge_lora"])
-        if not 0.0 <= float(opts["on_policy_fraction"]) <= 1.0:
-            raise ValueError(
-                f"distill option on_policy_fraction={opts['on_policy_fraction']} must be in [0, 1]"
-            )
         self.generator: torch.Generator | None = None  # made on the draft's device at first use
 
     @property
@@ -269,14 +268,6 @@ class DistillObjective(Objective):
         distill.save_draft(draft, self.target.tokenizer, self.target, directory, merge=self.merge_lora)
 
 
-def check_distill_options(options: dict[str, Any]) -> None:
-    for key in options:
-        if key not in DEFAULTS:
-            raise unknown_key(
-                f"draft.options.{key}", sorted(DEFAULTS), f"draft.options of kind {distill.DISTILL!r}"
-            )
-
-
-@register_objective(distill.DISTILL, check=check_distill_options)
+@register_objective(distill.DISTILL, options=DistillOptions)
 def _build_objective(target: Target, options: dict[str, Any], token_counts=None) -> DistillObjective:
     return DistillObjective(target, options)

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
+from pydantic.dataclasses import dataclass
 from torch import nn
 
 from draftsmith.decode.features import decoder_layers, resolve_layer_ids
@@ -40,12 +43,52 @@ from draftsmith.train.objectives.common import (
     step_valid_masks,
     teacher_greedy,
 )
-from draftsmith.train.registry import check_options, register_objective
+from draftsmith.train.registry import register_objective
+from draftsmith.train.schema import SECTION
 
 __all__ = ["Eagle1Objective", "Eagle3Objective", "EagleObjective", "MirrorObjective"]
 
 DEFAULT_TTT_STEPS = {EAGLE1: 1, EAGLE3: 3}
 """EAGLE-3's paper unrolls 7 steps; 3 keeps CPU training fast and already covers most accepted chains."""
+
+
+@dataclass(config=SECTION)
+class EagleOptions:
+    """``draft.options`` of ``eagle1`` and ``eagle3`` (the constructor's arguments of ``EagleObjective``)."""
+
+    num_layers: Annotated[int, Field(ge=1)] | None = None
+    """Decoder layers in the head (null = 1, or the continued head's with init_from)."""
+    capture_layer_ids: list[int] | None = None
+    """Target layers the head reads (0-based outputs, negatives count from the top; null = the last layer for
+    EAGLE-1, low / middle / high for EAGLE-3)."""
+    draft_vocab_size: Annotated[int, Field(ge=1)] | None = None
+    """EAGLE-3's draft vocabulary: the most frequent tokens of the training data (null = 32000; at most the
+    target's vocabulary, which needs no map)."""
+    ttt_steps: Annotated[int, Field(ge=1)] | None = None
+    """Training-time-test unroll steps (null = 1 for EAGLE-1, 3 for EAGLE-3; EAGLE-3's paper uses 7)."""
+    step_decay: float = 0.8
+    """Weight of unroll step j is step_decay ** j."""
+    teacher_topk: Annotated[int, Field(ge=1)] = 64
+    """The target's largest logits per position the soft targets are made of."""
+    feature_weight: float = 1.0
+    """EAGLE-1: weight of the smooth-L1 regression of the target's feature."""
+    token_weight: float = 0.1
+    """EAGLE-1: weight of the cross-entropy term."""
+    init_from: str | None = None
+    """A head directory saved by `draftsmith train` to continue from (its shape, layers and draft vocabulary
+    are kept)."""
+
+
+@dataclass(config=SECTION)
+class MirrorOptions(EagleOptions):
+    """``draft.options`` of ``mirror``: EAGLE-3's, on the early-exit layer alone, and the decoding defaults."""
+
+    early_exit_layer: int | None = None
+    """The target layer the draft reads and mirror decoding exits at (null = two thirds of the way up)."""
+    kappa: Annotated[int, Field(ge=1)] = 4
+    """Early-exit candidates per position, recorded as the draft's decoding default."""
+    gamma: Annotated[int, Field(ge=1)] = 4
+    """Tokens per branch, recorded as the draft's decoding default."""
 
 
 def load_head_to_continue(
@@ -318,19 +361,16 @@ class MirrorObjective(EagleObjective):
         setattr(self.config, DRAFT_KIND_KEY, MIRROR)
 
 
-@register_objective(EAGLE1, check=lambda options: check_options(Eagle1Objective, EAGLE1, options))
+@register_objective(EAGLE1, options=EagleOptions)
 def _build_eagle1(target, options: dict, token_counts=None) -> Eagle1Objective:
-    check_options(Eagle1Objective, EAGLE1, options)
     return Eagle1Objective(target, token_counts=token_counts, **options)
 
 
-@register_objective(EAGLE3, check=lambda options: check_options(Eagle3Objective, EAGLE3, options))
+@register_objective(EAGLE3, options=EagleOptions)
 def _build_eagle3(target, options: dict, token_counts=None) -> Eagle3Objective:
-    check_options(Eagle3Objective, EAGLE3, options)
     return Eagle3Objective(target, token_counts=token_counts, **options)
 
 
-@register_objective(MIRROR, check=lambda options: check_options(MirrorObjective, MIRROR, options))
+@register_objective(MIRROR, options=MirrorOptions)
 def _build_mirror(target, options: dict, token_counts=None) -> MirrorObjective:
-    check_options(MirrorObjective, MIRROR, options)
     return MirrorObjective(target, token_counts=token_counts, **options)

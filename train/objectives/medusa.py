@@ -11,9 +11,12 @@ less: they only count when every earlier head was right).
 from __future__ import annotations
 
 import copy
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
+from pydantic.dataclasses import dataclass
 from torch import nn
 
 from draftsmith.drafts.base import MEDUSA
@@ -27,7 +30,26 @@ from draftsmith.train.objectives.common import (
     step_valid_masks,
     teacher_greedy,
 )
-from draftsmith.train.registry import check_options, register_objective
+from draftsmith.train.registry import register_objective
+from draftsmith.train.schema import SECTION
+
+
+@dataclass(config=SECTION)
+class MedusaOptions:
+    """``draft.options`` of ``medusa`` (the constructor's arguments of ``MedusaObjective``)."""
+
+    num_heads: Annotated[int, Field(ge=1)] = 4
+    """Heads: head i drafts the token i + 1 places ahead, so at most num_heads tokens per step."""
+    num_layers: Annotated[int, Field(ge=0)] = 1
+    """Residual blocks per head."""
+    shared_lm_head: bool = False
+    """One frozen copy of the target's LM head for every head (only the blocks train) instead of one each."""
+    hard_labels: bool = False
+    """Cross-entropy on the data's tokens instead of the teacher's top-k distribution."""
+    teacher_topk: Annotated[int, Field(ge=1)] = 64
+    """The target's largest logits per position the soft targets are made of."""
+    head_decay: float = 0.8
+    """Weight of head i's loss is head_decay ** i (later heads count only when the earlier were right)."""
 
 
 class MedusaObjective(Objective):
@@ -104,7 +126,6 @@ class MedusaObjective(Objective):
         return accepted, starts
 
 
-@register_objective(MEDUSA, check=lambda options: check_options(MedusaObjective, MEDUSA, options))
+@register_objective(MEDUSA, options=MedusaOptions)
 def _build(target, options: dict, token_counts=None) -> MedusaObjective:
-    check_options(MedusaObjective, MEDUSA, options)
     return MedusaObjective(target, **options)
