@@ -237,7 +237,9 @@ def test_validation_walk_takes_the_steps_decoding_takes(target, preset):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_loss_decreases_and_decoding_stays_lossless(target, batch, preset):
+def test_loss_decreases_and_simulated_acceptance_grows(target, batch, preset):
+    """On every architecture; decoding with the trained head, saved and exported, is the kind contract's
+    (tests/test_kind_contract.py)."""
     objective = objective_for(target, preset, batch, ttt_steps=3 if preset == "eagle3" else 1)
     teacher = make_teacher(target, batch, objective.capture_layers, objective.teacher_topk)
     untrained = objective.build_draft().eval()
@@ -252,13 +254,6 @@ def test_loss_decreases_and_decoding_stays_lossless(target, batch, preset):
     assert hist_after.shape == (k + 1,) and int(hist_after.sum()) > 0 and int(hist_before.sum()) > 0
     mean_len = lambda h: float((h * torch.arange(k + 1)).sum() / h.sum())  # noqa: E731
     assert mean_len(hist_after) > mean_len(hist_before)
-
-    prompt = batch.input_ids[0, :6]
-    reference = generate(target, prompt, None, max_new_tokens=20).tokens
-    for h in (untrained, head):
-        result = generate(target, prompt, EagleDrafter(h), k=4, max_new_tokens=20)
-        assert result.tokens == reference
-    assert sum(result.accepted) > 0  # trained on this very continuation: some drafts are accepted
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -58,19 +58,13 @@ def medusa_run(tmp_path_factory):
     return target, run
 
 
-def test_medusa_exports_to_hf_and_vllm_and_is_refused_by_engines_without_a_loader(medusa_run, tmp_path, capsys):
-    target, run = medusa_run
+def test_medusa_exports_to_vllm_and_is_refused_by_engines_without_a_loader(medusa_run, tmp_path, capsys):
+    """--to hf and its reload, for every trainable kind: tests/test_kind_contract.py."""
+    _, run = medusa_run
     ckpt = locate_checkpoint(str(run))
     assert ckpt.kind.name == kind_of_checkpoint(run / "draft").name == "medusa"
     out = export_checkpoint(ckpt, "hf", tmp_path / "hf")
-    assert verify_export(out, "hf") and not (out / "train_config.yaml").exists()
-    exported, original = build_drafter(str(out), target), build_drafter(str(run), target)
-    prompt = torch.tensor([3, 1, 4, 1, 5])
-    from draftsmith.decode.speculative import generate
-
-    assert (
-        generate(target, prompt, exported, 2, 12).tokens == generate(target, prompt, original, 2, 12).tokens
-    )
+    assert verify_export(out, "hf") and not (out / "train_config.yaml").exists()  # run records left behind
     assert main(["export", str(run), "--to", "vllm", "--out", str(tmp_path / "vllm")]) == 0
     for engine in ("sglang", "speculators", "gguf"):
         assert main(["export", str(run), "--to", engine, "--out", str(tmp_path / engine)]) == 2
