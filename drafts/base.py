@@ -61,6 +61,19 @@ def strict_load(cls, folder: Path):
     return model, problems + [str(m) for m in info.get("error_msgs") or []]
 
 
+def loads_strictly(cls) -> FolderCheck:
+    """The hf check of a family whose drafts are one ``PreTrainedModel`` class: a strict ``from_pretrained``
+    (``strict_load``) and a target record in its config."""
+
+    def check(folder: Path) -> list[str]:
+        model, problems = strict_load(cls, folder)
+        if not model.config.target:
+            problems.append("config.target records no target")
+        return problems
+
+    return check
+
+
 def check_saved_draft(folder: Path) -> list[str]:
     """The check of a saved folder every family with a checkpoint gets unless it brings its own: config.json
     names a known kind and the target it was trained for, and the weights are there (whole: the caller's
@@ -129,7 +142,7 @@ class DraftKind:
     """What a model card or an error calls it ("EAGLE-3 head")."""
     build: DrafterFactory
     family: Family
-    """How it is stored, checked and served (a name alone is a family with the generic check and card)."""
+    """How it is stored, checked and served (a ``Family`` record, declared beside the kinds that share it)."""
     exports: tuple[Engine, ...] | None = None
     """The engines (records, ``drafts/engines.py``) it goes to; None: every engine with a writer for its
     family that does not refuse the family."""
@@ -137,10 +150,6 @@ class DraftKind:
     """Why it cannot go to the engines ``exports`` leaves out (said as the error)."""
     target_key: str = "target"
     """Where its config.json records the target it was trained for."""
-
-    def __post_init__(self):
-        if isinstance(self.family, str):
-            object.__setattr__(self, "family", Family(self.family, self.title))
 
     def refusal_by(self, engine: Engine) -> str | None:
         """Why ``engine`` cannot take this kind, by the kind's record or the engine's; None if neither refuses

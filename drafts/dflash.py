@@ -29,12 +29,28 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.features import LAYER_ID_CONVENTION, decoder_layers
 from draftsmith.decode.sampling import Sampling, sample, to_probs
-from draftsmith.drafts.base import DFLASH, DRAFT_KIND_KEY, DraftKind, check_target, register
+from draftsmith.drafts.base import (
+    DFLASH,
+    DRAFT_KIND_KEY,
+    DraftKind,
+    Family,
+    check_target,
+    loads_strictly,
+    register,
+    target_layers_line,
+)
 from draftsmith.drafts.eagle_parts import build_vocab_map, copy_final_norm
 from draftsmith.drafts.engines import HF, VLLM
 
 MAX_BLOCK = 64
 """The largest block draftsmith trains or decodes (the paper's blocks are 8-16)."""
+
+
+def block_size_refusal(block_size: int) -> str:
+    return (
+        f"draft.options.block_size {block_size}: a block holds the last token and at least one slot to draft, "
+        f"so 2..{MAX_BLOCK} (the paper uses 8 or 16)"
+    )
 
 
 def default_tap_layers(num_layers: int) -> list[int]:
@@ -104,10 +120,7 @@ class DFlashConfig(PretrainedConfig):
     ):
         kwargs.pop(DRAFT_KIND_KEY, None)
         if not 2 <= int(block_size) <= MAX_BLOCK:
-            raise ValueError(
-                f"draft.options.block_size {block_size}: a block holds the last token and at least one slot to "
-                f"draft, so 2..{MAX_BLOCK} (the paper uses 8 or 16)"
-            )
+            raise ValueError(block_size_refusal(block_size))
         if not 0 <= int(mask_token_id) < int(vocab_size):
             raise ValueError(
                 f"draft.options.mask_token_id {mask_token_id} is not a token of the target's vocabulary "
@@ -477,8 +490,25 @@ def _build(target, path: str) -> Drafter:
     return DFlashDrafter(load_draft(target, path), target.model, name=f"{DFLASH}:{Path(path).name}")
 
 
+def card_lines(config: dict) -> list[str]:
+    vocab, full = config.get("draft_vocab_size") or config.get("vocab_size"), config.get("vocab_size")
+    scores = (
+        "the target's vocabulary, with its LM head" if vocab == full else f"its own {vocab}-token vocabulary"
+    )
+    return [
+        target_layers_line(config),
+        f"- {config.get('num_hidden_layers')} decoder layer(s); one forward drafts the "
+        f"{int(config.get('block_size', 2)) - 1} tokens after the last one (block size {config.get('block_size')}, "
+        f"mask token {config.get('mask_token_id')}); scores {scores}",
+    ]
+
+
+DFLASH_BLOCKS = Family(DFLASH, "DFlash draft", verify_hf=loads_strictly(DFlashDraft), card_lines=card_lines)
+"""Block drafters on the target's tapped hidden states (the family's name is the kind's)."""
 NO_DFLASH_LAYOUT = (
     "vLLM 0.32 serves DFlash drafts (--to vllm); draftsmith has not checked SGLang's, speculators' or llama.cpp's "
     "DFlash layout against their loaders, so it writes none; use --to hf or --to vllm"
 )
-register(DraftKind(DFLASH, "DFlash draft", _build, "dflash", exports=(HF, VLLM), refusal=NO_DFLASH_LAYOUT))
+register(
+    DraftKind(DFLASH, "DFlash draft", _build, DFLASH_BLOCKS, exports=(HF, VLLM), refusal=NO_DFLASH_LAYOUT)
+)

@@ -36,8 +36,8 @@ from draftsmith.drafts.base import (
     DraftKind,
     Family,
     check_target,
+    loads_strictly,
     register,
-    strict_load,
     target_layers_line,
 )
 from draftsmith.drafts.eagle_parts import copy_final_norm
@@ -254,14 +254,6 @@ NO_ENGINE_LOADER = (
 )
 
 
-def verify_saved(folder: Path) -> list[str]:
-    """Problems a Medusa folder for transformers has: a strict from_pretrained and its target record."""
-    heads, problems = strict_load(MedusaHeads, folder)
-    if not heads.config.target:
-        problems.append("config.target records no target")
-    return problems
-
-
 def card_lines(config: dict) -> list[str]:
     return [
         target_layers_line(config),
@@ -269,7 +261,7 @@ def card_lines(config: dict) -> list[str]:
     ]
 
 
-MEDUSA_HEADS = Family(MEDUSA, "Medusa heads", verify_hf=verify_saved, card_lines=card_lines)
+MEDUSA_HEADS = Family(MEDUSA, "Medusa heads", verify_hf=loads_strictly(MedusaHeads), card_lines=card_lines)
 """Medusa heads on the target's last hidden state (the family's name is the kind's)."""
 register(DraftKind(MEDUSA, "Medusa draft", _build, MEDUSA_HEADS,
                    exports=(HF, VLLM), refusal=NO_ENGINE_LOADER))  # fmt: skip

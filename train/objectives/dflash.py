@@ -16,23 +16,59 @@ greedy token there (``hard_labels``), where token a+i is learnt and in a's conve
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, field_validator
+from pydantic.dataclasses import dataclass
 from torch import nn
 
 from draftsmith.drafts.base import DFLASH
-from draftsmith.drafts.dflash import DFlashConfig, DFlashDraft, block_inputs
+from draftsmith.drafts.dflash import MAX_BLOCK, DFlashConfig, DFlashDraft, block_inputs, block_size_refusal
 from draftsmith.drafts.eagle_parts import build_vocab_map, packed_segments
 from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.objectives.common import chain_starts, same_conversation, shift_left, teacher_greedy
-from draftsmith.train.registry import check_options, register_objective
+from draftsmith.train.registry import register_objective
+from draftsmith.train.schema import SECTION
 
 DEFAULT_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
 """The paper's position-weight decay per block size; other sizes take block_size / 2."""
 VALIDATION_ANCHORS = 128
 """Blocks per forward when validation runs a block at every chain start of a row."""
+
+
+@dataclass(config=SECTION)
+class DFlashOptions:
+    """``draft.options`` of ``dflash`` (the constructor's arguments of ``DFlashObjective``)."""
+
+    num_layers: Annotated[int, Field(ge=1)] = 1
+    """Draft decoder layers (Qwen3-style, at the target's hidden size)."""
+    block_size: int = 8
+    """Block size Q: one forward drafts the Q - 1 tokens after the last committed one (the paper: 8 or 16)."""
+    capture_layer_ids: list[int] | None = None
+    """Target layers read, strictly increasing, never the last (default: EAGLE-3's low / middle / high)."""
+    mask_token_id: int | None = None
+    """The token embedded at the slots to draft (default: the tokenizer's mask, unknown or padding token)."""
+    draft_vocab_size: Annotated[int, Field(ge=1)] | None = None
+    """Score only the training data's most frequent tokens with a head of the draft's own (default: the
+    target's vocabulary with the target's LM head; on a CPU the LM head is most of a block's cost)."""
+    anchors_per_row: Annotated[int, Field(ge=1)] = 64
+    """Blocks trained per row and step, at anchors drawn where two learnt tokens follow each other."""
+    gamma: Annotated[float, Field(gt=0)] | None = None
+    """Slot i's loss weighs exp(-(i-1)/gamma) (default: 4 / 5 / 7 for blocks of 8 / 10 / 16, else Q / 2)."""
+    hard_labels: bool = False
+    """Cross-entropy on the target's greedy token instead of its top-k distribution."""
+    teacher_topk: Annotated[int, Field(ge=1)] = 64
+    """The target's largest logits per position the soft targets are made of."""
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_fits(cls, value: int) -> int:
+        if not 2 <= value <= MAX_BLOCK:
+            raise ValueError(block_size_refusal(value))
+        return value
 
 
 class DFlashObjective(Objective):
@@ -217,7 +253,6 @@ class DFlashObjective(Objective):
         return accepted, starts
 
 
-@register_objective(DFLASH, check=lambda options: check_options(DFlashObjective, DFLASH, options))
+@register_objective(DFLASH, options=DFlashOptions)
 def _build(target, options: dict, token_counts=None) -> DFlashObjective:
-    check_options(DFlashObjective, DFLASH, options)
     return DFlashObjective(target, token_counts=token_counts, **options)
