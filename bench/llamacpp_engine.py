@@ -5,10 +5,14 @@ engines), greedy, k draft tokens per step:
 
   llama.cpp (llama-server, one per setting, all up at once, requests interleaved prompt by prompt):
     target alone; n-gram (ngram-simple, N = 3, M = k); the distilled small draft (draft-simple);
-    the EAGLE-3 head (draft-eagle3) -- each with the bundled Q4_1 target GGUF, and with the same
-    weights dequantized to an F32 GGUF (isolates what quantized verification does to acceptance);
+    the EAGLE-3 head (draft-eagle3); DFlash drafts (draft-dflash) -- each with the bundled Q4_1 target
+    GGUF, and with the same weights dequantized to an F32 GGUF (isolates what quantized verification
+    does to acceptance);
   draftsmith (`eval.evaluate`, float32, CPU kernels packed as `draftsmith eval` does): the target
-    alone, the EAGLE-3 head, the small draft, n-gram.
+    alone, the EAGLE-3 head, the small draft, the DFlash drafts, n-gram.
+
+A DFlash draft drafts block size - 1 tokens a step in both engines, whatever --k says: llama.cpp decodes
+a block of n_max + 1 tokens, and a shorter block than the one trained is attended otherwise.
 
 llama.cpp's acceptance is read from its own per-step log lines ("accepted a/p draft tokens"); steps
 without a draft are the tokens left over. tok/s counts prompt processing and generation in both
@@ -18,7 +22,7 @@ engines. Prints a table, writes JSON.
         --prompts builtin:dev_prompts --limit 12 --out bench/results/llamacpp_engine.json
 
 Several heads side by side: ``--head shipped=runs/qs/eagle3 hour=runs/hour/eagle3`` (NAME=DIR; a bare DIR
-is named by its folder).
+is named by its folder); DFlash drafts the same way: ``--dflash runs/dflash`` or ``--dflash a=DIR b=DIR``.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import build_drafter
-from draftsmith.drafts.base import EAGLE3, NGRAM
-from draftsmith.eval.harness import evaluate
+from draftsmith.drafts.base import DFLASH, EAGLE3, NGRAM
+from draftsmith.eval.harness import Method, evaluate
 from draftsmith.eval.llamacpp_runs import beside_alone, interleaved_runs
 from draftsmith.eval.prompts import load_prompts, render
 from draftsmith.eval.report import hardware_description, write_json
@@ -45,16 +49,28 @@ from draftsmith.loading import resolve_model_path, smollm2_gguf_path
 TARGET = "smollm2-135m-instruct"
 
 
-def head_names(args) -> dict[str, str]:
-    """``--head`` as {setting name: run}: ``eagle3`` for one head, ``eagle3:NAME`` for each of several."""
-    heads = dict(h.split("=", 1) if "=" in h else (Path(h).name, h) for h in args.head or ())
-    if len(heads) < len(args.head or ()):
-        raise SystemExit(f"--head: two heads share a name ({' '.join(args.head)}); name them NAME=DIR")
+def named_runs(values: list[str] | None, kind: str) -> dict[str, str]:
+    """``--head`` / ``--dflash`` as {setting name: run}: ``KIND`` for one, ``KIND:NAME`` for each of several."""
+    runs = dict(h.split("=", 1) if "=" in h else (Path(h).name, h) for h in values or ())
+    if len(runs) < len(values or ()):
+        raise SystemExit(f"two {kind} drafts share a name ({' '.join(values)}); name them NAME=DIR")
     return (
-        {EAGLE3: next(iter(heads.values()))}
-        if len(heads) == 1
-        else {f"{EAGLE3}:{n}": r for n, r in heads.items()}
+        {kind: next(iter(runs.values()))} if len(runs) == 1 else {f"{kind}:{n}": r for n, r in runs.items()}
     )
+
+
+def head_names(args) -> dict[str, str]:
+    return named_runs(args.head, EAGLE3)
+
+
+def feature_drafts(args) -> dict[str, str]:
+    """Every draft that reads the target's hidden states (EAGLE-3 heads, DFlash drafts), by setting name."""
+    return {**head_names(args), **named_runs(args.dflash, DFLASH)}
+
+
+def dflash_k(run: str) -> int:
+    """The draft tokens of a DFlash draft's whole block (block size - 1), in both engines."""
+    return int(locate_checkpoint(run).config["block_size"]) - 1
 
 
 def exports(args) -> dict[str, Path]:
@@ -64,7 +80,7 @@ def exports(args) -> dict[str, Path]:
     files = {"q4_1": smollm2_gguf_path(), "f32": work / "target-f32.gguf"}
     if not files["f32"].exists():
         write_gguf(resolve_model_path(TARGET)[0], files["f32"], "f32", smollm2_gguf_path())
-    for name, run in (*head_names(args).items(), ("small", args.small)):
+    for name, run in (*feature_drafts(args).items(), ("small", args.small)):
         if run:
             files[name] = work / f"{name.replace(':', '-')}-{args.gguf_dtype}.gguf"
             if not files[name].exists():
@@ -73,14 +89,16 @@ def exports(args) -> dict[str, Path]:
 
 
 def run_llamacpp(args, files, prompt_ids) -> tuple[dict[str, dict], dict[str, list[list[int]]]]:
-    drafts = [None, NGRAM, *(d for d in ("small", *head_names(args)) if d in files)]
+    runs = feature_drafts(args)
+    drafts = [None, NGRAM, *(d for d in ("small", *runs) if d in files)]
     settings = {}
     for target in args.targets:
         for draft in drafts:
-            kind = "draft" if draft == "small" else EAGLE3 if draft and draft.startswith(EAGLE3) else draft
+            kind = "draft" if draft == "small" else draft.split(":")[0] if draft else None
+            k = dflash_k(runs[draft]) if kind == DFLASH else args.k
             settings[f"{target}:{draft or 'alone'}"] = (
                 files[target],
-                llamacpp.speculative_args(kind, args.k, files.get(draft)),
+                llamacpp.speculative_args(kind, k, files.get(draft)),
             )
     runs = interleaved_runs(
         settings, prompt_ids, args.max_new_tokens, Path(args.work), args.threads, progress=True
@@ -90,10 +108,11 @@ def run_llamacpp(args, files, prompt_ids) -> tuple[dict[str, dict], dict[str, li
 
 def run_draftsmith(args, prompts) -> tuple[dict[str, dict], list[list[int]]]:
     target = load_target(TARGET, device="cpu", dtype="float32")
-    specs = [*head_names(args).items(), ("small", args.small), (NGRAM, NGRAM)]
-    drafts = [(name, build_drafter(str(locate_checkpoint(s).draft_dir) if name != NGRAM else s, target))
+    specs = [*feature_drafts(args).items(), ("small", args.small), (NGRAM, NGRAM)]
+    drafts = [Method(name, build_drafter(str(locate_checkpoint(s).draft_dir) if name != NGRAM else s, target),
+                     dflash_k(s) if name.startswith(DFLASH) else args.k)
               for name, s in specs if s]  # fmt: skip
-    pack_for_decoding(target.model, *(d for _, d in drafts))
+    pack_for_decoding(target.model, *(m.drafter for m in drafts))
     result = evaluate(target, drafts, prompts, k=args.k, max_new_tokens=args.max_new_tokens, warmup=1)
     base = result.baseline.total.timing.tokens_per_s
     rows = {"draftsmith:alone": {"tokens_per_s": base, "tokens": result.baseline.total.timing.new_tokens}}
@@ -123,6 +142,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--head", nargs="+", metavar="[NAME=]DIR",
                    help="EAGLE-3 heads: run or draft directories (trained for smollm2-135m-instruct)")  # fmt: skip
+    p.add_argument("--dflash", nargs="+", metavar="[NAME=]DIR",
+                   help="DFlash drafts: run or draft directories (trained for smollm2-135m-instruct); they draft "
+                   "block size - 1 tokens a step in both engines")  # fmt: skip
     p.add_argument("--small", help="distilled small draft: run or draft directory")
     p.add_argument("--prompts", default="builtin:dev_prompts")
     p.add_argument("--limit", type=int, default=12)

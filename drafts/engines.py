@@ -114,8 +114,8 @@ SPECULATORS = register_engine(Engine(
 ))  # fmt: skip
 GGUF = register_engine(Engine(
     "gguf", "llama.cpp", "llama.cpp from the llama-cpp-python 0.3.36 sdist (llama-server, run by the tests)",
-    help="one GGUF file for llama.cpp / LM Studio: an EAGLE-3 head in its eagle3 architecture (needs the "
-    "target's GGUF, --target-gguf) or a distilled Llama draft",
+    help="one GGUF file for llama.cpp / LM Studio: an EAGLE-3 head in its eagle3 architecture or a DFlash "
+    "draft in its dflash architecture (both need the target's GGUF, --target-gguf), or a distilled Llama draft",
     file_suffix=".gguf",
 ))  # fmt: skip
 REFERENCE_EAGLE3 = register_engine(Engine(

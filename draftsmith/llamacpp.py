@@ -57,7 +57,7 @@ def available(name: str = "llama-server") -> bool:
 class Server(LocalServer):
     """``llama-server`` on a free local port for the length of a ``with`` block.
 
-    ``args`` are llama-server's own flags after ``-m MODEL`` (``--spec-type draft-eagle3
+    ``args`` are llama-server's own flags after ``-m MODEL`` (``--spec-type draft-eagle3|draft-dflash
     --spec-draft-model HEAD.gguf``, ``-c 4096``, ...). The server's log goes to ``log`` (or is discarded);
     with ``log`` the server also logs every verify step ("accepted a/p draft tokens", LLAMA_TRACE=1).
     """
@@ -108,7 +108,9 @@ def speculative_args(kind: str | None, k: int, draft: str | Path | None = None) 
     """llama-server flags for greedy decoding with up to ``k`` draft tokens a step.
 
     ``kind``: None (the target alone), ``"ngram"`` (ngram-simple, N = 3, M = k), ``"eagle3"`` (an EAGLE-3
-    head GGUF, draft-eagle3) or ``"draft"`` (a small causal LM GGUF, draft-simple); ``draft`` is the GGUF.
+    head GGUF, draft-eagle3), ``"dflash"`` (a DFlash draft GGUF, draft-dflash: llama.cpp decodes a block of
+    k + 1 tokens, clamped to the draft's block size; k = block size - 1 is the block it was trained on) or
+    ``"draft"`` (a small causal LM GGUF, draft-simple); ``draft`` is the GGUF.
     ``--spec-draft-p-min 0`` keeps every proposal, as draftsmith's chain decoder does.
     """
     if kind is None:
@@ -117,9 +119,11 @@ def speculative_args(kind: str | None, k: int, draft: str | Path | None = None) 
     if kind == "ngram":
         return [*common, "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
                 "--spec-ngram-simple-size-m", str(k), "--spec-ngram-simple-min-hits", "1"]  # fmt: skip
-    if kind not in ("eagle3", "draft"):
-        raise ValueError(f"unknown llama.cpp draft kind {kind!r}: None, 'ngram', 'eagle3' or 'draft'")
+    spec_types = {"eagle3": "draft-eagle3", "dflash": "draft-dflash", "draft": "draft-simple"}
+    if kind not in spec_types:
+        raise ValueError(
+            f"unknown llama.cpp draft kind {kind!r}: None, 'ngram', {', '.join(map(repr, spec_types))}"
+        )
     if draft is None:
         raise ValueError(f"a {kind} draft needs its GGUF file")
-    return [*common, "--spec-type", f"draft-{'eagle3' if kind == 'eagle3' else 'simple'}",
-            "--spec-draft-model", str(draft)]  # fmt: skip
+    return [*common, "--spec-type", spec_types[kind], "--spec-draft-model", str(draft)]

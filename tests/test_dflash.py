@@ -328,9 +328,12 @@ def test_exports_to_vllms_layout_and_other_engines_refuse_naming_why(dflash_run,
     assert config["block_size"] == 4 and config["layer_types"] == ["full_attention"] * 2
     assert config["rope_parameters"]["rope_theta"] == target.config.rope_parameters["rope_theta"]
     assert "eagle_config" not in config and "eagle_aux_hidden_state_layer_ids" not in config
-    for engine in ("sglang", "speculators", "gguf"):
+    for engine in ("sglang", "speculators"):
         assert main(["export", str(run), "--to", engine, "--out", str(tmp_path / engine)]) == 2
-        assert "vLLM 0.32 serves DFlash drafts" in capsys.readouterr().err
+        assert "use --to hf, vllm or gguf" in capsys.readouterr().err
+    # llama.cpp serves it beside its target's GGUF (tests/test_llamacpp_dflash.py), which this target has not
+    assert main(["export", str(run), "--to", "gguf", "--out", str(tmp_path / "d.gguf")]) == 2
+    assert "--target-gguf" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Drafts as one GGUF file for llama.cpp / LM Studio: distilled Llama drafts and EAGLE-3 heads.
+"""Drafts as one GGUF file for llama.cpp / LM Studio: distilled Llama drafts, EAGLE-3 heads, DFlash drafts.
 
 Written with ``gguf.GGUFWriter`` under llama.cpp's names and metadata keys:
 
@@ -8,7 +8,8 @@ Written with ``gguf.GGUFWriter`` under llama.cpp's names and metadata keys:
   whose ``attn_norm`` normalizes the token embedding and ``attn_norm_2`` the fused feature, ``output_norm``,
   ``output`` over the draft vocabulary, ``d2t`` as absolute target ids (absent for a full vocabulary), and
   ``eagle3.target_layers`` in llama.cpp's convention (id L = the input of target layer L). The head's token
-  embedding is left out: llama.cpp then embeds with the target's, which the head's is a frozen copy of.
+  embedding is left out: llama.cpp then embeds with the target's, which the head's is a frozen copy of;
+- a DFlash draft in llama.cpp's ``dflash`` architecture (names and metadata in ``gguf_dflash.py``).
 
 q_proj and k_proj rows are permuted the way llama.cpp's converter does (its rotary pairs adjacent
 dimensions; transformers undoes the permutation on load). The tokenizer goes in as metadata: copied from
@@ -34,6 +35,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint
+from draftsmith.drafts.base import DFLASH
 from draftsmith.drafts.engines import GGUF
 from draftsmith.export.eagle import (
     NAME_MAP,
@@ -43,13 +45,14 @@ from draftsmith.export.eagle import (
     read_weights,
 )
 from draftsmith.export.engines import CardContext, ExportOptions
+from draftsmith.export.gguf_dflash import check_dflash_exportable, dflash_fields, dflash_tensors
 from draftsmith.export.gguf_tokenizer import (
     TARGET_GGUF_FIX,
     fields_with_prefix,
     source_tokenizer_fields,
     tokenizer_from_hf,
 )
-from draftsmith.export.gguf_verify import EAGLE3_ARCH, verify
+from draftsmith.export.gguf_verify import DFLASH_ARCH, EAGLE3_ARCH, verify
 from draftsmith.loading import read_gguf
 
 QTYPES = {
@@ -276,9 +279,9 @@ def check_target_gguf(source: Path, target: dict) -> list[tuple]:
     """The tokenizer fields of ``source`` after checking it is a GGUF of the head's target ``target``."""
     reader = read_gguf(source, TARGET_GGUF_FIX)
     arch = reader.fields["general.architecture"].contents()
-    if arch == EAGLE3_ARCH:
+    if arch in (EAGLE3_ARCH, DFLASH_ARCH):
         raise ValueError(
-            f"{source} is an EAGLE-3 head, not its target; pass the target's GGUF with --target-gguf"
+            f"{source} is a draft ({arch}), not its target; pass the target's GGUF with --target-gguf"
         )
     theirs = {
         "num_hidden_layers": reader.fields.get(f"{arch}.block_count"),
@@ -326,15 +329,38 @@ def write_eagle3_gguf(config: dict, weights: dict[str, torch.Tensor], out_file: 
         if config.get("norm_before_fc"):
             writer.add_bool("eagle3.norm_before_fc", True)
         _copy_fields(writer, tokenizer_fields)
-        for tensor_name, tensor in tensors.items():
-            if tensor_name == "d2t":
-                writer.add_tensor(
-                    tensor_name, tensor.numpy().astype(np.int64), raw_dtype=gguf.GGMLQuantizationType.I64
-                )
-            else:
-                _add_tensor(writer, tensor_name, tensor, dtype)
+        _add_tensors(writer, tensors, dtype)
 
     return _write_file(Path(out_file), EAGLE3_ARCH, fill)
+
+
+def _add_tensors(writer: gguf.GGUFWriter, tensors: dict[str, torch.Tensor], dtype: str) -> None:
+    """Every tensor in ``dtype`` (norms F32), ``d2t`` as the I64 llama.cpp asserts."""
+    for name, tensor in tensors.items():
+        if name == "d2t":
+            writer.add_tensor(name, tensor.numpy().astype(np.int64), raw_dtype=gguf.GGMLQuantizationType.I64)
+        else:
+            _add_tensor(writer, name, tensor, dtype)
+
+
+def write_dflash_gguf(config: dict, weights: dict[str, torch.Tensor], out_file: str | Path, target_gguf: Path,
+                      dtype: str = "f16", name: str = DFLASH_ARCH) -> Path:  # fmt: skip
+    """Write a DFlash draft (its ``config.json`` as a dict and its tensors) as a llama.cpp ``dflash`` GGUF;
+    ``target_gguf`` is the GGUF of its target, whose tokenizer it copies after checking the pair."""
+    _check_dtype(dtype)
+    check_dflash_exportable(config)
+    tokenizer_fields = check_target_gguf(Path(target_gguf), config["target"])
+    tensors = dflash_tensors(weights, config)
+    extra = dflash_fields(config)
+    ours = {key for key, *_ in extra}
+
+    def fill(writer: gguf.GGUFWriter) -> None:
+        writer.add_name(name)
+        _add_decoder_hparams(writer, config, dtype)
+        _copy_fields(writer, [f for f in tokenizer_fields if f[0] not in ours] + extra)
+        _add_tensors(writer, tensors, dtype)
+
+    return _write_file(Path(out_file), DFLASH_ARCH, fill)
 
 
 def target_gguf_of(ckpt: DraftCheckpoint, given: str | None) -> Path | None:
@@ -364,18 +390,34 @@ def gguf_file(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
     return file
 
 
-def write_head(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
-    check_exportable(ckpt.config, GGUF.name)
+def required_target_gguf(ckpt: DraftCheckpoint, options: ExportOptions, what: str) -> Path:
+    """The target's GGUF a draft that reads the target's hidden states is served beside (its tokenizer)."""
     source = target_gguf_of(ckpt, options.target_gguf)
     if source is None:
         raise ValueError(
-            f"the head's target {ckpt.target.get('name')!r} has no GGUF that draftsmith knows; llama.cpp "
-            "serves an EAGLE-3 head only beside a GGUF of its target. Convert the target with llama.cpp's "
+            f"the draft's target {ckpt.target.get('name')!r} has no GGUF that draftsmith knows; llama.cpp "
+            f"serves {what} only beside a GGUF of its target. Convert the target with llama.cpp's "
             "convert_hf_to_gguf.py and pass it with --target-gguf FILE."
         )
+    return source
+
+
+def write_head(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
+    check_exportable(ckpt.config, GGUF.name)
+    source = required_target_gguf(ckpt, options, "an EAGLE-3 head")
     name = (ckpt.run_dir or ckpt.draft_dir).resolve().name
     file = gguf_file(ckpt, out, options)
     return write_eagle3_gguf(
+        ckpt.config, read_weights(ckpt.draft_dir), file, source, options.gguf_dtype, name
+    )
+
+
+def write_dflash(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
+    check_dflash_exportable(ckpt.config)
+    source = required_target_gguf(ckpt, options, "a DFlash draft")
+    name = (ckpt.run_dir or ckpt.draft_dir).resolve().name
+    file = gguf_file(ckpt, out, options)
+    return write_dflash_gguf(
         ckpt.config, read_weights(ckpt.draft_dir), file, source, options.gguf_dtype, name
     )
 
@@ -387,24 +429,24 @@ def write_draft(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Pat
 
 def usage(card: CardContext) -> list[str]:
     """llama-server as draftsmith's engine benchmark runs it; a causal LM only in the Llama architecture."""
-    if card.kind.family.name == "causal_lm" and card.config.get("model_type") != "llama":
+    family = card.kind.family.name
+    if family == "causal_lm" and card.config.get("model_type") != "llama":
         return []
-    eagle = card.kind.family.name == "eagle"
-    export, spec, draft = (
-        (
-            "--out head.gguf  # --target-gguf TARGET.gguf unless draftsmith knows it",
-            "draft-eagle3",
-            "head.gguf",
-        )
-        if eagle
-        else ("--gguf-dtype q8_0 --out draft.gguf", "draft-simple", "draft.gguf")
-    )
+    k = card.k
+    if family == "eagle":
+        export = "--out head.gguf  # --target-gguf TARGET.gguf unless draftsmith knows it"
+        spec, draft = "draft-eagle3", "head.gguf"
+    elif family == DFLASH:  # a whole block: a shorter one is attended otherwise than trained
+        export = "--out draft.gguf  # --target-gguf TARGET.gguf unless draftsmith knows it"
+        spec, draft, k = "draft-dflash", "draft.gguf", int(card.config.get("block_size", k + 1)) - 1
+    else:
+        export, spec, draft = "--gguf-dtype q8_0 --out draft.gguf", "draft-simple", "draft.gguf"
     return [
         "### llama.cpp / LM Studio",
         "",
         "```bash",
         f"draftsmith export {card.repo_id} --to gguf {export}",
-        f"llama-server -m TARGET.gguf --spec-type {spec} --spec-draft-model {draft} --spec-draft-n-max {card.k}",
+        f"llama-server -m TARGET.gguf --spec-type {spec} --spec-draft-model {draft} --spec-draft-n-max {k}",
         "```",
         "",
         "(the command draftsmith's engine benchmark runs; add `--no-repack` on CPUs with AMX, "
@@ -413,5 +455,5 @@ def usage(card: CardContext) -> list[str]:
     ]
 
 
-GGUF.writers.update({"eagle": write_head, "causal_lm": write_draft})
+GGUF.writers.update({"eagle": write_head, "causal_lm": write_draft, DFLASH: write_dflash})
 GGUF.verify, GGUF.usage = verify, usage

@@ -32,6 +32,11 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.gg
 EAGLE3_KEYS = ("eagle3.target_layers", "eagle3.target_hidden_size")
 EAGLE3_ARCH = "eagle3"
 """llama.cpp's architecture name for an EAGLE-3 head (``general.architecture``; llama.cpp's, not a kind)."""
+DFLASH_ARCH = "dflash"
+"""llama.cpp's architecture name for a DFlash draft (``src/models/dflash.cpp``)."""
+DFLASH_KEYS = ("dflash.target_layers", "dflash.block_size", "tokenizer.ggml.mask_token_id")
+"""Read by ``llama_model_dflash`` (target_layers: required) and ``common_speculative_impl_draft_dflash``
+(block_size: 16 when missing; the mask token: ``llama_vocab_mask``, none without it)."""
 
 
 def _layer_shapes(i: int, H: int, heads: int, kv_heads: int, hd: int, ff: int, attn_in: int) -> dict:
@@ -57,12 +62,13 @@ def verify_gguf(path: Path) -> list[str]:
     reader = read_gguf(found[0], "Export it again")  # a cut-short file: one line naming it
     fields = reader.fields
     arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
-    if arch not in ("llama", EAGLE3_ARCH):
+    if arch not in ("llama", EAGLE3_ARCH, DFLASH_ARCH):
         return [
-            f"general.architecture must be 'llama' (a draft model) or 'eagle3' (an EAGLE-3 head), got {arch!r}"
+            f"general.architecture must be 'llama' (a draft model), 'eagle3' (an EAGLE-3 head) or 'dflash' (a "
+            f"DFlash draft), got {arch!r}"
         ]
     required = [f"{arch}.{k}" for k in HPARAM_KEYS] + list(TOKENIZER_KEYS)
-    required += list(EAGLE3_KEYS) if arch == EAGLE3_ARCH else []
+    required += {EAGLE3_ARCH: list(EAGLE3_KEYS), DFLASH_ARCH: list(DFLASH_KEYS)}.get(arch, [])
     problems = [f"metadata {k} missing (the loader would guess it)" for k in required if k not in fields]
     if problems:
         return problems
@@ -90,6 +96,21 @@ def verify_gguf(path: Path) -> list[str]:
             expected |= _layer_shapes(i, H, heads, kv_heads, hd, ff, H)
         if "output.weight" in shapes:
             expected["output.weight"] = (V, H)
+    elif arch == DFLASH_ARCH:
+        problems += _check_dflash_meta(reader, meta)
+        d2t = next((t for t in reader.tensors if t.name == "d2t"), None)
+        taps = len(reader.fields["dflash.target_layers"].contents())
+        expected = {"fc.weight": (H, taps * H), "enc.output_norm.weight": (H,), "output_norm.weight": (H,)}
+        for i in range(L):
+            expected |= _layer_shapes(i, H, heads, kv_heads, hd, ff, H)
+            expected |= {f"blk.{i}.attn_q_norm.weight": (hd,), f"blk.{i}.attn_k_norm.weight": (hd,)}
+        if d2t is not None:  # the graph scatters the draft's own head's logits through d2t
+            expected |= {"d2t": (int(d2t.shape[0]),), "output.weight": (int(d2t.shape[0]), H)}
+            problems += _check_d2t(d2t, V)
+        elif "output.weight" in shapes:
+            expected["output.weight"] = (V, H)
+        if "token_embd.weight" in shapes:
+            expected["token_embd.weight"] = (V, H)
     else:
         problems += _check_eagle3_meta(reader, meta, L)
         d2t = next((t for t in reader.tensors if t.name == "d2t"), None)
@@ -133,6 +154,24 @@ def _check_eagle3_meta(reader: gguf.GGUFReader, meta: dict, n_layers: int) -> li
         problems.append(
             f"eagle3.target_layers {ids} must be distinct and ascending (fc's columns follow that order)"
         )
+    return problems
+
+
+def _check_dflash_meta(reader: gguf.GGUFReader, meta: dict) -> list[str]:
+    """llama.cpp's DFlash drafter: ascending target layers >= 1 (the input of layer L; 0 is the embedding
+    no target extracts), a block of the last token and at least one slot, a mask token of the vocabulary."""
+    problems = []
+    ids = [int(i) for i in reader.fields["dflash.target_layers"].contents()]
+    if not ids or ids != sorted(set(ids)) or ids[0] < 1:
+        problems.append(
+            f"dflash.target_layers {ids} must be distinct, ascending and >= 1 (fc's columns follow that order)"
+        )
+    block = int(meta["block_size"])
+    if block < 2:
+        problems.append(f"dflash.block_size {block}: a block holds the last token and at least one to draft")
+    mask = int(meta["tokenizer.ggml.mask_token_id"])
+    if not 0 <= mask < int(meta["vocab_size"]):
+        problems.append(f"tokenizer.ggml.mask_token_id {mask} is not a token of the vocabulary")
     return problems
 
 

@@ -1,0 +1,87 @@
+"""DFlash drafts as llama.cpp's ``dflash`` architecture (``src/models/dflash.cpp``, ``common/speculative.cpp``).
+
+The names, metadata and conventions are those llama.cpp's own converter writes for a ``DFlashDraftModel``
+(``convert_hf_to_gguf.py``, ``conversion/qwen.py`` ``DFlashModel``): the Qwen3 layer tensors
+(``blk.N.attn_q`` ..., per-head ``attn_q_norm`` / ``attn_k_norm``, no q/k permutation: the ``dflash``
+graph ropes NeoX-style, as draftsmith does), ``fc``, ``hidden_norm`` as ``enc.output_norm``, ``norm`` as
+``output_norm``; ``dflash.block_size``; ``dflash.target_layers`` as the input of target layer L
+(draftsmith id + 1, what ``llama_set_embeddings_layer_inp`` extracts); the mask token as the tokenizer's
+``tokenizer.ggml.mask_token_id`` (``llama_vocab_mask``). The embedding and LM head are left to the
+target's (``ctx_other``); a reduced draft vocabulary brings ``output`` and ``d2t`` as absolute target ids
+(I64), as the converter's DSpark path writes them: its plain DFlash path would copy vLLM's offsets as
+they are. The file itself is written by ``gguf.py``, as the EAGLE-3 heads are, for the reasons given
+there (the converter refuses tokenizers it has no hash for, and wants the target's Hugging Face folder).
+"""
+
+from __future__ import annotations
+
+import gguf
+import torch
+
+from draftsmith.export.gguf_verify import DFLASH_ARCH
+
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    **{f"self_attn.{p}_proj": f"attn_{p}" for p in "qkv"},
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    **{f"mlp.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")},
+}
+TOP_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
+             "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}  # fmt: skip
+SKIPPED = ("t2d", "rotary_emb.inv_freq")
+"""Saved with the draft, read by no llama.cpp loader (t2d: the inverse of d2t)."""
+
+
+def dflash_tensors(weights: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """DFlashDraft tensors → llama.cpp ``dflash`` tensors; ``d2t`` (absolute ids) only for a reduced
+    vocabulary. A tensor without a llama.cpp name is an error (the loader would never read it)."""
+    out: dict[str, torch.Tensor] = {}
+    unknown = []
+    for name, tensor in weights.items():
+        parts = name.split(".")
+        if name in TOP_NAMES:
+            out[TOP_NAMES[name]] = tensor.float()
+        elif name == "d2t":
+            out["d2t"] = tensor.long()
+        elif parts[0] == "layers" and ".".join(parts[2:-1]) in LAYER_NAMES and parts[-1] == "weight":
+            out[f"blk.{parts[1]}.{LAYER_NAMES['.'.join(parts[2:-1])]}.weight"] = tensor.float()
+        elif name not in SKIPPED:
+            unknown.append(name)
+    if unknown:
+        raise ValueError(f"llama.cpp's dflash architecture has no name for tensors {sorted(unknown)}")
+    if int(config.get("draft_vocab_size") or config["vocab_size"]) < int(config["vocab_size"]):
+        if "d2t" not in out or "output.weight" not in out:
+            raise ValueError("the draft's vocabulary is reduced but it has no lm_head / d2t: save it again")
+    else:
+        out.pop("d2t", None)
+        out.pop("output.weight", None)  # the target's LM head, as llama.cpp shares it
+    return out
+
+
+def dflash_fields(config: dict) -> list[tuple]:
+    """The ``dflash.*`` metadata besides the decoder's hyper-parameters, and the mask token, as
+    (key, value, type, array element type) — the form ``gguf.py`` copies tokenizer fields in."""
+    ids = [int(i) + 1 for i in config["capture_layer_ids"]]  # the input of layer i + 1 = output of layer i
+    return [
+        (f"{DFLASH_ARCH}.block_size", int(config["block_size"]), gguf.GGUFValueType.UINT32, None),
+        (f"{DFLASH_ARCH}.target_layers", ids, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32),
+        (gguf.Keys.Tokenizer.MASK_ID, int(config["mask_token_id"]), gguf.GGUFValueType.UINT32, None),
+    ]
+
+
+def check_dflash_exportable(config: dict) -> None:
+    """Refuse a draft llama.cpp's dflash graph would run otherwise than draftsmith does."""
+    ids = [int(i) for i in config.get("capture_layer_ids") or []]
+    if not ids or any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError(
+            f"the draft reads target layers {ids}; llama.cpp concatenates them in ascending order, once each. "
+            "Train it on strictly increasing capture_layer_ids."
+        )
+    if int(config.get("hidden_size", 0)) != int((config.get("target") or {}).get("hidden_size", 0)):
+        raise ValueError(
+            "llama.cpp's dflash graph sizes fc by the draft's hidden size and feeds it the target's: they must "
+            f"be equal (draft {config.get('hidden_size')}, target {(config.get('target') or {}).get('hidden_size')})"
+        )
