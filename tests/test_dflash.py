@@ -364,3 +364,48 @@ def test_the_vllm_verifier_refuses_what_vllm_would_guess_or_leave_uninitialised(
     save_file(tensors, out / "model.safetensors")
     with pytest.raises(ExportVerificationError, match=problem):
         verify_export(out, "vllm")
+
+
+# ---- the real target ----------------------------------------------------------------------------------
+
+
+def self_trained_dflash(target, directory, prompts: int = 4, new: int = 48, steps: int = 40, **options):
+    """A DFlash draft for the real target trained for a minute on its own greedy answers to the first dev
+    prompts (first turns), saved in ``directory``; returns those prompts' token ids. Decoding the same
+    prompts then accepts some of its blocks, which a random draft never has."""
+    from draftsmith.eval.prompts import load_prompts, render
+
+    asked = [render(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
+             for p in load_prompts("builtin:dev_prompts", prompts)]  # fmt: skip
+    rows = [torch.cat([p, torch.tensor(generate(target, p, None, max_new_tokens=new).tokens)]) for p in asked]
+    ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+    real, learnt = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(asked, rows)):
+        ids[i, : len(r)], real[i, : len(r)], learnt[i, len(p) : len(r)] = r, 1, 1
+    batch = Batch(ids, real, learnt)
+    counts = torch.bincount(ids[learnt.bool()], minlength=target.vocab_size)
+    objective = build_objective("dflash", target, {"anchors_per_row": 48, **options}, counts)
+    draft, losses, _ = train(objective, batch, make_teacher(target, batch, objective.capture_layers, 64), steps,
+                             lr=3e-3)  # fmt: skip
+    assert losses[-1] < losses[0]
+    objective.save(draft.eval(), directory)
+    return asked
+
+
+@pytest.mark.slow
+def test_greedy_output_equals_the_real_targets(tmp_path):
+    """Two layers, block 16, a draft vocabulary of its own: every path a real draft takes (tests/test_vllm.py
+    serves the 1-layer, full-vocabulary one)."""
+    from draftsmith.decode.target import load_target
+
+    target = load_target("smollm2-135m-instruct", device="cpu", dtype="float32")
+    prompts = self_trained_dflash(
+        target, tmp_path / "draft", num_layers=2, block_size=16, draft_vocab_size=8192
+    )
+    drafter = build_drafter(str(tmp_path / "draft"), target)
+    accepted = 0
+    for prompt in prompts:
+        result = generate(target, prompt, drafter, drafter.draft.config.block_size - 1, 48)
+        assert result.tokens == generate(target, prompt, None, max_new_tokens=48).tokens
+        accepted += sum(result.accepted)
+    assert accepted > 0

@@ -158,6 +158,25 @@ def medusa_served(real_target, tmp_path_factory):
         yield root / "draft", server
 
 
+@pytest.fixture(
+    scope="module", params=[{}, {"num_layers": 2, "draft_vocab_size": 8192}], ids=["1-layer", "2-layer-8k"]
+)
+def dflash_served(real_target, tmp_path_factory, request):
+    """A real ``vllm serve`` of the bundled target with a DFlash draft (trained for a minute on the target's
+    own answers to the first dev prompts) exported by draftsmith: one layer sharing the target's LM head, and
+    two layers with a draft vocabulary of their own (per-layer k_norm, d2t)."""
+    from tests.test_dflash import self_trained_dflash
+
+    root = tmp_path_factory.mktemp("vllm_dflash")
+    self_trained_dflash(real_target, root / "draft", **request.param)
+    out = export_checkpoint(locate_checkpoint(str(root / "draft")), "vllm", root / "vllm")
+    config = {"method": "dflash", "model": str(out), "num_speculative_tokens": 7}
+    with vllm.Server(
+        real_target.model.name_or_path, config, log=root / "server.log", kv_cache_gib=1
+    ) as server:
+        yield root / "draft", server
+
+
 @pytest.fixture(scope="module")
 def plain_served(real_target, tmp_path_factory):
     with vllm.Server(
@@ -186,6 +205,21 @@ def test_served_medusa_is_accepted_as_in_draftsmiths_decoder(medusa_served, tmp_
     assert served["tau"] > 1.0  # the blocks are random, yet head 0 agrees with the target now and then
     assert served["tau"] == pytest.approx(ours["tau_drafting"], abs=0.03)
     assert "served:" in run.stdout and "draftsmith:" in run.stdout
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_served_dflash_is_accepted_as_in_draftsmiths_decoder(dflash_served, tmp_path):
+    draft, server = dflash_served
+    run = cli("eval", "--target", TARGET, "--draft", str(draft), "--server", server.url, "--prompts",
+              "builtin:dev_prompts", "--limit", "4", "--max-new-tokens", "48", "--k", "7",
+              "--out", str(tmp_path / "eval"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = json.loads((tmp_path / "eval" / "served.json").read_text())
+    served, ours = record["served"], next(iter(record["draftsmith"].values()))
+    assert served["verify_steps_with_drafts"] > 10 and len(served["per_position"]) == 7
+    assert served["tau"] > 1.2  # trained on these very answers: whole blocks are accepted
+    assert served["tau"] == pytest.approx(ours["tau_drafting"], abs=0.03)
 
 
 @pytest.mark.slow
