@@ -1,8 +1,10 @@
-"""EAGLE-3 training side by side: ModelOpt, SpecForge, speculators and draftsmith on the same work.
+"""EAGLE-3 (or, --draft dflash, DFlash) training side by side: the peers and draftsmith on the same work.
 
 Every run trains one decoder layer for the bundled SmolLM2-135M-Instruct with the same draft
-vocabulary size and TTT depth, on the same tokens and loss masks, for the same number of tokens;
-each peer keeps its own defaults otherwise (lr, optimizer, schedule, batching). Stages (--stages):
+vocabulary size and TTT depth (DFlash: block size 8, target layers 1, 14, 26), on the same tokens and
+loss masks, for the same number of tokens; each peer keeps its own defaults otherwise (lr, optimizer,
+schedule, batching). DFlash is trained by SpecForge, speculators and draftsmith (ModelOpt 0.47's
+``plugins/hf_dflash.py`` trains online only and has no driver here yet). Stages (--stages):
 
   data     render draftsmith's builtin training data once with ``draftsmith.train.corpus`` (chat
            template, assistant loss mask, packed rows, the quickstart's held-out rows), take the rows
@@ -25,6 +27,8 @@ BENCHMARKS.md for the measured rates.
     python bench/peer_training.py --tokens 16384 --out bench/results/peer_training_16k.json
     python bench/peer_training.py --tokens 409600 --work runs/peer_training_400k \
         --out bench/results/peer_training_400k.json
+    python bench/peer_training.py --draft dflash --runs specforge speculators --tokens 409600 \
+        --work runs/peer_dflash_400k --out bench/results/peer_dflash_400k.json
 """
 
 from __future__ import annotations
@@ -69,19 +73,19 @@ def render_rows(seed: int = 0):
     return tokenizer, config, train_ds, heldout_ds
 
 
-def stage_data(work: Path, tokens: int) -> dict:
+def stage_data(work: Path, tokens: int, draft: str = "eagle3") -> dict:
     from draftsmith.loading import resolve_model_path
-    from draftsmith.train.peer_inputs import conversations_of, sampler_order, steps_for_budget, token_counts
+    from draftsmith.train import peer_inputs as peer
 
     tokenizer, config, train_ds, heldout_ds = render_rows()
     t = config.trainer
     lengths = [len(ids) for ids in train_ds["input_ids"]]
     # how many rows to look at: enough for the budget even with short rows
-    order = sampler_order(len(train_ds), t.batch_size, t.seed, max(len(train_ds), -(-tokens // 64)))
-    steps = steps_for_budget([lengths[i] for i in order], tokens, t.batch_size)
+    order = peer.sampler_order(len(train_ds), t.batch_size, t.seed, max(len(train_ds), -(-tokens // 64)))
+    steps = peer.steps_for_budget([lengths[i] for i in order], tokens, t.batch_size)
     rows = [train_ds[i] for i in order[: steps * t.batch_size]]
-    train = [c for row in rows for c in conversations_of(row)]
-    heldout = [c for row in heldout_ds for c in conversations_of(row)]
+    train = [c for row in rows for c in peer.conversations_of(row)]
+    heldout = [c for row in heldout_ds for c in peer.conversations_of(row)]
     data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
     write_jsonl(data / "train.jsonl", train)
@@ -95,12 +99,20 @@ def stage_data(work: Path, tokens: int) -> dict:
         "passes": steps * t.batch_size / len(train_ds),
         "batch_size": t.batch_size,
         "max_length": config.data.max_length,
-        "train": token_counts(train),
-        "heldout": token_counts(heldout),
+        "train": peer.token_counts(train),
+        "heldout": peer.token_counts(heldout),
         "draft_vocab_size": config.draft.options["draft_vocab_size"],
         "ttt_steps": config.draft.options["ttt_steps"],
         "num_layers": config.draft.options["num_layers"],
+        "draft": draft,
     }
+    if draft == "dflash":  # one layer, no draft vocabulary (every peer's DFlash scores the target's)
+        from transformers import AutoConfig
+
+        from draftsmith.drafts.dflash import default_tap_layers
+
+        taps = default_tap_layers(AutoConfig.from_pretrained(record["target_path"]).num_hidden_layers)
+        record.update(peer.DFLASH_SHAPE, draft_vocab_size=None, ttt_steps=None, capture_layers=taps)
     (data / "budget.json").write_text(json.dumps(record, indent=1))
     return record
 
@@ -152,15 +164,17 @@ def stage_capture(work: Path) -> dict:
 
     with bench_lock() as waited:
         start, cpu0 = time.perf_counter(), _self_cpu()
-        path = json.loads((work / "data" / "budget.json").read_text())["target_path"]
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        # the layers every run reads: EAGLE-3's 1, L/2-1, L-4, as draftsmith and all three peers default
-        layers = default_eagle3_layers(model.config.num_hidden_layers)
+        budget = json.loads((work / "data" / "budget.json").read_text())
+        model = AutoModelForCausalLM.from_pretrained(budget["target_path"], dtype=torch.float32).eval()
+        # the layers every run reads: EAGLE-3's 1, L/2-1, L-4, as draftsmith and all three peers default;
+        # DFlash: draftsmith's default taps (the data stage's; the same layers on this target)
+        draft = budget.get("draft", "eagle3")
+        layers = budget.get("capture_layers") or default_eagle3_layers(model.config.num_hidden_layers)
         train = read_jsonl(work / "data" / "train.jsonl")
         heldout = read_jsonl(work / "data" / "heldout.jsonl")
         positions = write_peer_features(
             train, heldout, lambda ids: capture(model, ids, layers), work / "specforge", work / "speculators",
-            read_vocab_counts(work)["assistant"],
+            read_vocab_counts(work)["assistant"], draft,
         )  # fmt: skip
         wall, cpu = time.perf_counter() - start, _self_cpu() - cpu0
     return {
@@ -233,7 +247,7 @@ def parse_ablation(text: str) -> tuple[str, list[str]]:
 
 def train_command(run: str, work: Path, budget: dict, overrides: list[str] = ()) -> list[str]:
     out = work / "runs" / run
-    common = ["--work", str(work), "--out", str(out)]
+    common = ["--work", str(work), "--out", str(out), "--draft", budget.get("draft", "eagle3")]
     if run.startswith("draftsmith"):
         extra = [arg for item in overrides for arg in ("--override", item)]
         return [sys.executable, str(BENCH / "peers" / "draftsmith_run.py"), *common, *extra]
@@ -304,7 +318,7 @@ def throughput(run: dict, budget: dict) -> dict:
 
 
 def trained_heads(results: dict) -> dict[str, str]:
-    """run: head folder, for the runs whose head is there."""
+    """run: head folder, for the runs whose head is there (peer heads: drafts/eagle_import.py, dflash_import.py)."""
     return {run: r["head"] for run, r in results.items() if r.get("head") and Path(r["head"]).exists()}
 
 
@@ -312,10 +326,6 @@ def stage_eval(work: Path, results: dict, limit: int, max_new_tokens: int) -> di
     heads = trained_heads(results)
     if not heads:
         return {"skipped": "no trained heads"}
-    try:
-        import draftsmith.drafts.eagle_import  # noqa: F401  (reads the peers' heads)
-    except ImportError:
-        return {"skipped": "drafts/eagle_import.py is not there yet: peer heads cannot be read"}
     evals = {}
     for k in ("5", "auto"):
         out = work / "eval" / f"k{k}"
@@ -447,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also train draftsmith's recipe with these overrides, as run draftsmith-NAME (repeatable; "
                    "trainer.batch_size keeps the rows, not the steps)")  # fmt: skip
     p.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
+    p.add_argument("--draft", choices=("eagle3", "dflash"), default="eagle3", help="draft kind (data stage)")
     p.add_argument("--eval-limit", type=int, default=12, help="dev prompts in each eval run")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--out", type=Path, default=Path("bench/results/peer_training.json"))
@@ -463,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(args.out)
 
     if "data" in args.stages:
-        record["budget"] = stage_data(work, args.tokens)
+        record["budget"] = stage_data(work, args.tokens, args.draft)
     budget = json.loads((work / "data" / "budget.json").read_text())
     record["budget"] = budget
     if "capture" in args.stages:

@@ -42,6 +42,9 @@ TARGET_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size",
 PEER_EAGLE3 = "peer_eagle3"
 """The kind of an EAGLE-3 head another pipeline wrote (SpecForge, ModelOpt, speculators, SafeAILab/EAGLE):
 read into draftsmith's head for the target it is used with (``drafts/eagle_import.py``)."""
+PEER_DFLASH = "peer_dflash"
+"""The kind of a DFlash draft another pipeline wrote (SpecForge, speculators; vLLM's layout): read into
+draftsmith's ``DFlashDraft`` for the target it is used with (``drafts/dflash_import.py``)."""
 FOREIGN_EAGLE_FIELDS = ("draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids", "speculators_config",
                         "speculators_model_type", "target_hidden_size")  # fmt: skip
 """config.json fields EAGLE heads of other pipelines write and causal LMs do not."""
@@ -188,6 +191,7 @@ KIND_MODULES = {
     LAYERS: "draftsmith.drafts.layer_subset",
     MIRROR: "draftsmith.drafts.mirror",
     PEER_EAGLE3: "draftsmith.drafts.eagle_import",
+    PEER_DFLASH: "draftsmith.drafts.dflash_import",
 }
 """Kind name -> the module that registers its record (imported on first use)."""
 LEGACY_KINDS = {"eagle": None, "small_lm": DISTILL, "causal_lm": DISTILL}
@@ -225,10 +229,23 @@ def is_foreign_eagle(config: dict) -> bool:
     return "eagle" in arch or "speculator" in arch or any(key in config for key in FOREIGN_EAGLE_FIELDS)
 
 
+def is_foreign_dflash(config: dict) -> bool:
+    """True for a ``config.json`` draftsmith did not write that is a DFlash draft (SpecForge's and vLLM's
+    ``DFlashDraftModel``, speculators' ``dflash``): read by ``drafts/dflash_import.py``."""
+    if DRAFT_KIND_KEY in config:
+        return False
+    return config.get("speculators_model_type") == "dflash" or "DFlashDraftModel" in (
+        config.get("architectures") or []
+    )
+
+
 def kind_of_config(config: dict) -> DraftKind:
     """The kind a saved draft's ``config.json`` (as a dict) says it is; a plain causal LM is ``distill``, an
-    EAGLE head from another pipeline ``peer_eagle3``."""
-    name = config.get(DRAFT_KIND_KEY) or (PEER_EAGLE3 if is_foreign_eagle(config) else DISTILL)
+    EAGLE head from another pipeline ``peer_eagle3``, a DFlash draft from one ``peer_dflash``."""
+    foreign = (
+        PEER_DFLASH if is_foreign_dflash(config) else PEER_EAGLE3 if is_foreign_eagle(config) else DISTILL
+    )
+    name = config.get(DRAFT_KIND_KEY) or foreign
     if name in LEGACY_KINDS:
         name = LEGACY_KINDS[name] or config.get("preset", EAGLE3)
     return draft_kind(name)

@@ -247,3 +247,26 @@ def test_an_ablation_is_a_draftsmith_run_with_recipe_overrides(tmp_path):
     for bad in ("lr", "lr:", ":optim.lr=1", "lr:optim.lr"):
         with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
             peer_training.parse_ablation(bad)
+
+
+def test_specforge_reads_its_dflash_layout(tmp_path):
+    """--draft dflash: SpecForge's DFlash record (the tapped states as ``hidden_states``), read by its own reader and
+    normalizer; the bench passes the draft kind to every driver."""
+    train, heldout = [{"input_ids": [3, 4, 5, 6, 7], "loss_mask": [0, 1, 1, 1, 1]}], []
+    peer_inputs.write_peer_features(train, heldout, lambda ids: fake_capture(len(ids)), tmp_path / "specforge",
+                                    tmp_path / "speculators", {4: 1}, draft="dflash")  # fmt: skip
+    back = torch.load(tmp_path / "specforge" / "train" / "data_000000.ckpt", weights_only=True)
+    assert set(back) == {"input_ids", "loss_mask", "hidden_states"}
+    assert back["hidden_states"].shape == (1, 5, 3 * H)
+    code = f"""
+from specforge.algorithms.common.dflash_family_data import normalize_offline_sample
+from specforge.runtime.data_plane.feature_store import load_feature_file
+from specforge.runtime.data_plane.offline_reader import list_feature_files
+files = list_feature_files("{tmp_path / "specforge" / "train"}")
+row = normalize_offline_sample(load_feature_file(files[0]), max_len=512)
+assert row["hidden_states"].shape == (1, 5, {3 * H}) and row["input_ids"].tolist() == [[3, 4, 5, 6, 7]]
+print("ok")
+"""
+    assert "ok" in run_in_peer("specforge", code)
+    cmd = peer_training.train_command("specforge", tmp_path, {"draft": "dflash"})
+    assert cmd[-2:] == ["--draft", "dflash"] and cmd[1].endswith("specforge_run.py")

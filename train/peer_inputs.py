@@ -1,9 +1,10 @@
-"""What the peers' offline EAGLE-3 training reads, made from draftsmith's own (``bench/peer_training.py``).
+"""What the peers' offline EAGLE-3 and DFlash training reads, made from draftsmith's own (``bench/peer_training.py``).
 
 The same tokens for every run: the rows draftsmith's loop trains on first, until a token budget, split back
 into conversations (the peers pad or pack conversations themselves). Then the stand-in for SGLang's / vLLM's
 hidden-state capture, which do not run here: the target run by transformers over each conversation, written
 as SpecForge's ``.ckpt`` files and as speculators' ``hs_{i}.safetensors`` with its preprocessed dataset.
+DFlash reads the same captures (its taps are EAGLE-3's layers); only SpecForge's record differs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import datasets
 import torch
 from safetensors.torch import save_file
 
+from draftsmith.drafts.base import DFLASH, EAGLE3
 from draftsmith.train.sampler import ResumableSampler
 
 Capture = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -98,6 +100,27 @@ def specforge_record(conv: dict, aux, normed) -> dict:
     }
 
 
+def specforge_dflash_record(conv: dict, aux, normed) -> dict:
+    """One SpecForge offline ``.ckpt`` record for its DFlash trainer: the tapped states concatenated in layer
+    order as ``hidden_states`` (its DFlash schema name); it learns the data's tokens, so no final state."""
+    return {
+        "input_ids": torch.tensor(conv["input_ids"], dtype=torch.long),
+        "loss_mask": torch.tensor(conv["loss_mask"], dtype=torch.long),
+        "hidden_states": aux.to(torch.bfloat16)[None],
+    }
+
+
+SPECFORGE_RECORDS = {EAGLE3: specforge_record, DFLASH: specforge_dflash_record}
+"""Draft kind the bench trains -> SpecForge's offline record for it (speculators reads one layout for both)."""
+DFLASH_SHAPE = {"num_layers": 1, "block_size": 8}
+"""The DFlash draft every run of ``bench/peer_training.py --draft dflash`` trains."""
+
+
+def draftsmith_dflash_draft() -> dict:
+    """The quickstart recipe's ``draft`` section for the bench's DFlash run (DFlash's defaults otherwise)."""
+    return {"kind": DFLASH, "options": dict(DFLASH_SHAPE)}
+
+
 def speculators_record(conv: dict, aux, last) -> dict:
     """One speculators ``hs_{i}.safetensors``: the three states, then the last layer's (before the norm)."""
     T, H = last.shape
@@ -129,15 +152,16 @@ def write_speculators_index(
 
 
 def write_peer_features(train: list[dict], heldout: list[dict], captured: Capture, specforge: Path,
-                        speculators: Path, assistant_counts: dict) -> int:  # fmt: skip
-    """Capture every conversation (``captured``) into SpecForge's ``specforge/{train,heldout}/`` and
-    speculators' ``speculators/`` (its hidden states and dataset); returns the positions captured."""
+                        speculators: Path, assistant_counts: dict, draft: str = EAGLE3) -> int:  # fmt: skip
+    """Capture every conversation (``captured``) into SpecForge's ``specforge/{train,heldout}/`` (its record
+    for ``draft``) and speculators' ``speculators/`` (its hidden states and dataset); returns the positions."""
+    record = SPECFORGE_RECORDS[draft]
     (speculators / "hidden_states").mkdir(parents=True, exist_ok=True)
     for split, convs, offset in (("train", train, 0), ("heldout", heldout, len(train))):
         (specforge / split).mkdir(parents=True, exist_ok=True)
         for i, conv in enumerate(convs):
             aux, last, normed = captured(conv["input_ids"])
-            torch.save(specforge_record(conv, aux, normed), specforge / split / f"data_{i:06d}.ckpt")
+            torch.save(record(conv, aux, normed), specforge / split / f"data_{i:06d}.ckpt")
             save_file(
                 speculators_record(conv, aux, last),
                 speculators / "hidden_states" / f"hs_{offset + i}.safetensors",

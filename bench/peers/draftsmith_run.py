@@ -9,6 +9,9 @@ the output folder. Everything else is the quickstart recipe (online: the target 
 
 ``--override KEY=VALUE`` (repeatable) changes the recipe for an ablation (``optim.lr=1e-4``, ...).
 With another ``trainer.batch_size`` the run takes as many steps as see the same number of rows.
+``--draft dflash``: the quickstart recipe with its ``draft`` section replaced by a DFlash draft (one layer,
+block size 8, DFlash's defaults otherwise: ``train/peer_inputs.draftsmith_dflash_draft``), written beside
+the run as ``recipe.yaml``; the rest of the recipe (data, optimizer, schedule, batch) as it is.
 """
 
 from __future__ import annotations
@@ -18,8 +21,22 @@ import sys
 
 from driver import driver_args, record_steps, write_result
 
-from draftsmith.train.config import load_config
+from draftsmith.train.config import load_config, resolve_recipe
 from draftsmith.train.loop import train
+from draftsmith.train.peer_inputs import draftsmith_dflash_draft
+
+
+def recipe(draft: str, out) -> str:
+    """The quickstart recipe, or for DFlash a copy of it with the bench's DFlash draft."""
+    if draft != "dflash":
+        return "quickstart"
+    import yaml
+
+    data = yaml.safe_load(resolve_recipe("quickstart").read_text())
+    data["draft"] = draftsmith_dflash_draft()
+    path = out / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return str(path)
 
 
 def main() -> int:
@@ -28,12 +45,13 @@ def main() -> int:
     known, sys.argv[1:] = extra.parse_known_args()
     args, budget = driver_args()
     ablation = [f"--{item.removeprefix('--')}" for item in known.override]
-    config = load_config("quickstart", ablation)
+    base = recipe(args.draft, args.out)
+    config = load_config(base, ablation)
     rows = budget["draftsmith_steps"] * budget["batch_size"]
     steps = -(-rows // config.trainer.batch_size)
     overrides = [*ablation, f"--trainer.max_steps={steps}", "--trainer.max_time=null",
                  f"--output.dir={args.out / 'run'}"]  # fmt: skip
-    config = load_config("quickstart", overrides)
+    config = load_config(base, overrides)
     marks = record_steps()
     result = train(config, overwrite=True)
     write_result(

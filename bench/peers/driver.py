@@ -50,10 +50,11 @@ def write_result(out: Path, marks: list, head: Path | None, **fields) -> None:
 
 
 def driver_args() -> tuple[argparse.Namespace, dict]:
-    """(``--work`` and ``--out`` as bench/peer_training.py passes them, the bench's budget); ``--out`` made."""
+    """(``--work``, ``--out`` and ``--draft`` as bench/peer_training.py passes them, the bench's budget); ``--out`` made."""
     p = argparse.ArgumentParser()
     p.add_argument("--work", type=Path, required=True, help="the bench's folder: data/, the captures")
     p.add_argument("--out", type=Path, required=True, help="this run's folder: result.json, the head")
+    p.add_argument("--draft", choices=("eagle3", "dflash"), default="eagle3", help="the draft kind to train")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     return args, json.loads((args.work / "data" / "budget.json").read_text())

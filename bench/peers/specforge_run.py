@@ -22,6 +22,17 @@ own pipeline, and why:
   ``model.lm_head_key=model.embed_tokens.weight``. Everything else is SpecForge's default (AdamW
   lr 1e-4, cosine, warmup 1.5%, batch 1 conversation, one epoch), except ``ttt_length`` (the bench's TTT
   depth) and one evaluation on the held-out features at the end.
+
+``--draft dflash``: ``training.strategy=dflash`` on ``.ckpt`` records holding the three tapped states
+concatenated as ``hidden_states`` (its DFlash trainer learns the data's own tokens: no final state, no
+target logits, no vocabulary map; the target's embedding and LM head come from the target folder). The
+draft config is SpecForge's own target-derived one (``resolve_draft_config``) with the bench's block size
+8 (its default 16) and target layers [1, 14, 26] in ``dflash_config`` (its default for one draft layer is
+the middle layer alone, [15]); its ``resolve_mask_token_id`` picks the mask token, written into that
+config so the export records it. Exported with ``export --to hf`` (its sglang export refuses DFlash).
+Otherwise its defaults: AdamW lr 1e-4, cosine, warmup 1.5%, one conversation a step, up to 512 anchors,
+no position decay (``loss_decay_gamma`` unset), the ``dflash`` loss, bfloat16; ``attention_backend=sdpa``
+instead of flex_attention, as for EAGLE-3. Its evaluation logs loss and accuracy (no accepted length).
 """
 
 from __future__ import annotations
@@ -101,6 +112,29 @@ def vocab_mapping(work: Path, budget: dict, target: Path, path: Path) -> Path:
     return path
 
 
+def dflash_config(run: dict, budget: dict, path: Path) -> Path:
+    """SpecForge's own target-derived DFlash draft config (``resolve_draft_config`` on the run as it stands),
+    with the bench's block size and target layers, and the mask token its trainer resolves for this target
+    (``resolve_mask_token_id``) written in, so the exported head records the token it was trained with."""
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from specforge.config.schema import Config
+    from specforge.training.model_loading import resolve_draft_config
+    from specforge.training.model_utils import resolve_mask_token_id
+    from transformers import AutoTokenizer
+
+    cfg = Config.model_validate(run)
+    provider = builtin_algorithm_registry().resolve("dflash").providers.model.draft_config
+    config = resolve_draft_config(cfg, provider=provider)
+    config.block_size = budget["block_size"]
+    config.num_hidden_layers = budget["num_layers"]
+    config.layer_types = [config.layer_types[0]] * budget["num_layers"]
+    tokenizer = AutoTokenizer.from_pretrained(run["model"]["target_model_path"])
+    mask = resolve_mask_token_id(explicit=None, tokenizer=tokenizer, embedding_vocab_size=config.vocab_size)
+    config.dflash_config = {"target_layer_ids": budget["capture_layers"], "mask_token_id": mask}
+    config.to_json_file(str(path))
+    return path
+
+
 def main() -> int:
     args, budget = driver_args()
     sys.modules["specforge.core.loss"] = torch_log_softmax_loss()
@@ -108,16 +142,7 @@ def main() -> int:
 
     target = target_with_index(Path(budget["target_path"]), args.out / "target")
     run = {
-        "model": {
-            "target_model_path": str(target),
-            "draft_model_config": str(
-                draft_config(target, budget["draft_vocab_size"], args.out / "draft.json")
-            ),
-            "lm_head_key": "model.embed_tokens.weight",
-            "vocab_mapping_path": str(
-                vocab_mapping(args.work, budget, target, args.out / "vocab_mapping.pt")
-            ),
-        },
+        "model": {"target_model_path": str(target), "lm_head_key": "model.embed_tokens.weight"},
         "data": {
             "hidden_states_path": str(args.work / "specforge" / "train"),
             "eval_hidden_states_path": str(args.work / "specforge" / "heldout"),
@@ -128,7 +153,6 @@ def main() -> int:
         "training": {
             "fsdp_sharding": "NO_SHARD",
             "attention_backend": "sdpa",
-            "ttt_length": budget["ttt_steps"],
             "eval_interval": len(
                 list((args.work / "specforge" / "train").glob("*.ckpt"))
             ),  # once, at the end
@@ -136,6 +160,16 @@ def main() -> int:
         },
         "output_dir": str(args.out / "output"),
     }
+    draft_json = args.out / "draft.json"
+    if args.draft == "dflash":
+        run["training"]["strategy"] = "dflash"
+        run["model"]["draft_model_config"] = str(dflash_config(run, budget, draft_json))
+    else:
+        run["training"]["ttt_length"] = budget["ttt_steps"]
+        run["model"]["draft_model_config"] = str(draft_config(target, budget["draft_vocab_size"], draft_json))
+        run["model"]["vocab_mapping_path"] = str(
+            vocab_mapping(args.work, budget, target, args.out / "vocab_mapping.pt")
+        )
     config = args.out / "run.yaml"
     config.write_text(json.dumps(run, indent=1))  # JSON is YAML
 
@@ -153,9 +187,10 @@ def main() -> int:
         return code
     head = args.out / "head"
     checkpoint = args.out / "output" / "specforge-run-latest" / "training_state.pt"
-    specforge(["export", "--to", "sglang", "--checkpoint", str(checkpoint),
-               "--draft-config", str(args.out / "draft.json"), "--output-dir", str(head)])  # fmt: skip
-    evals = [d for d in logged if "eval/avg_acc" in d]
+    engine = "hf" if args.draft == "dflash" else "sglang"  # its export refuses DFlash --to sglang
+    specforge(["export", "--to", engine, "--checkpoint", str(checkpoint),
+               "--draft-config", str(draft_json), "--output-dir", str(head)])  # fmt: skip
+    evals = [d for d in logged if any(k.startswith("eval/") for k in d)]
     heldout = (
         {k.removeprefix("eval/"): v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
     )

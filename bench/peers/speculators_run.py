@@ -24,6 +24,18 @@ speculators' own pipeline, and why:
   lr 1e-3, linear schedule, conversations packed into 8,192-token steps, its EAGLE-3 variant
   (norm before fc and residual, normed outputs across TTT steps), target layers [2, n/2, n-3] in
   vLLM's convention (the outputs of layers 1, n/2-1, n-4, as the capture wrote them).
+
+``--draft dflash``: ``--speculator-type dflash`` on the same dataset (its DFlash reads the three tapped
+states and, for its soft targets, the last layer's state through the verifier's norm and LM head, as the
+capture wrote them). The bench's shape: one layer (its default 5) and block size 8 (its default 16),
+target layers [2, 15, 27] in vLLM's convention, its default on this target too (draftsmith's taps
+[1, 14, 26] + 1). ``--full-attention-indices 0``: its default makes every draft layer sliding-window
+attention, causal inside a block; vLLM's ``DFlashDraftModel`` and draftsmith's decoder attend
+non-causally inside a block (vLLM: ``layer_types`` full_attention), so the head is trained as it is
+served. No ``--draft-vocab-size``: its default, the verifier's full vocabulary (so is every run's).
+Otherwise its defaults: D-PACE position weights, cross-entropy on the verifier's distribution, up to 512
+anchors per step, Muon + AdamW at lr 1e-3, linear schedule, 8,192-token packed steps. Its validation logs
+``eal`` (expected accepted length per block) on the held-out conversations.
 """
 
 from __future__ import annotations
@@ -73,10 +85,16 @@ def main() -> int:
     step_tokens = count_step_tokens()
     save = args.out / "checkpoints"
     shutil.rmtree(save, ignore_errors=True)  # a fresh run, as every run of the bench is
-    argv = ["--speculator-type", "eagle3", "--verifier-name-or-path", budget["target_path"],
+    if args.draft == "dflash":
+        shape = ["--speculator-type", "dflash", "--block-size", str(budget["block_size"]),
+                 "--target-layer-ids", *(str(i + 1) for i in budget["capture_layers"]),
+                 "--full-attention-indices", "0"]  # fmt: skip
+    else:
+        shape = ["--speculator-type", "eagle3", "--draft-vocab-size", str(budget["draft_vocab_size"]),
+                 "--ttt-steps", str(budget["ttt_steps"])]  # fmt: skip
+    argv = [*shape, "--verifier-name-or-path", budget["target_path"],
             "--data-path", str(data), "--on-missing", "raise",
             "--train-data-ratio", str((split["train"] + 0.5) / (split["train"] + split["heldout"])),
-            "--draft-vocab-size", str(budget["draft_vocab_size"]), "--ttt-steps", str(budget["ttt_steps"]),
             "--num-layers", str(budget["num_layers"]), "--epochs", "1",
             "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers", "0",
             "--save-path", str(save), "--no-resume-from-checkpoint", "--log-dir", str(args.out / "logs")]  # fmt: skip

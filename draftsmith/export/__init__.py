@@ -15,6 +15,7 @@ from pathlib import Path
 
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
+from draftsmith.drafts.base import PEER_DFLASH
 from draftsmith.drafts.engines import Engine, export_engines
 from draftsmith.export.engines import ExportOptions, engine_of, is_single_file, refuse, writer_of
 from draftsmith.export.verify import ExportVerificationError, verify_export
@@ -46,15 +47,20 @@ def copy_export(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Pat
 
 
 def import_peer_head(ckpt: DraftCheckpoint, target_spec: str | None, workdir: Path) -> DraftCheckpoint:
-    """An EAGLE-3 head another pipeline wrote (``drafts/eagle_import.py``), read for the target ``target_spec``
-    and saved in draftsmith's layout under ``workdir``, where every export of it starts from."""
+    """An EAGLE-3 head or DFlash draft another pipeline wrote (``drafts/eagle_import.py``,
+    ``drafts/dflash_import.py``), read for the target ``target_spec`` and saved in draftsmith's layout under
+    ``workdir``, where every export of it starts from."""
     if not target_spec:
         raise ValueError(
-            f"{ckpt.draft_dir} is an EAGLE-3 head from another pipeline, which names no target draftsmith can "
+            f"{ckpt.draft_dir} is a {ckpt.kind.title}, which names no target draftsmith can "
             "check it against: pass --target with the model it drafts for (an id or a directory)"
         )
     from draftsmith.decode.target import load_target
-    from draftsmith.drafts.eagle_import import import_head
+
+    if ckpt.kind.name == PEER_DFLASH:
+        from draftsmith.drafts.dflash_import import import_dflash as import_head
+    else:
+        from draftsmith.drafts.eagle_import import import_head
 
     head = import_head(load_target(target_spec, device="cpu"), ckpt.draft_dir)
     out = workdir / ckpt.draft_dir.resolve().name

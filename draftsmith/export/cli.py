@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
-from draftsmith.drafts.base import PEER_EAGLE3, draft_kind, kind_names
+from draftsmith.drafts.base import PEER_DFLASH, PEER_EAGLE3, draft_kind, kind_names
 from draftsmith.drafts.engines import export_engines
 from draftsmith.export import check_out, export_checkpoint, import_peer_head
 from draftsmith.export.engines import engine_names, refusal
@@ -20,8 +20,9 @@ the layout an engine loads, then verify the result against what that engine's lo
 heads are written with their layer ids ascending and fc's columns permuted to match, as engines
 concatenate the captured states in ascending layer order."""
 OUTRO = """\
-EAGLE-3 heads other pipelines wrote (SpecForge/SGLang, ModelOpt, speculators, SafeAILab/EAGLE): give --target;
-the head is read into draftsmith's layout for it (docs/EXPORT.md, "Reading heads from other pipelines").
+EAGLE-3 heads other pipelines wrote (SpecForge/SGLang, ModelOpt, speculators, SafeAILab/EAGLE) and DFlash drafts
+(SpecForge, speculators): give --target; the head is read into draftsmith's layout for it (docs/EXPORT.md,
+"Reading heads from other pipelines").
 Loader versions and conventions: docs/EXPORT.md."""
 
 
@@ -42,7 +43,7 @@ def description() -> str:
         takers = [e.name for e in export_engines() if refusal(kind, e) is None]
         if takers:
             lines += _wrapped(f"  {kind.name}", ", ".join(takers))
-        elif kind.name != PEER_EAGLE3:  # said below
+        elif kind.name not in (PEER_EAGLE3, PEER_DFLASH):  # said below
             lines += _wrapped(f"  {kind.name}", f"none: {kind.refusal}")
     return "\n".join([*lines, "", OUTRO])
 
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     ckpt = locate_checkpoint(args.checkpoint)
     out = Path(args.out) if args.out else default_out(ckpt, args.to)
     check_out(ckpt, args.to, out, args.overwrite)
-    if ckpt.kind.name == PEER_EAGLE3:  # read into draftsmith's layout for its target, exported from there
+    if ckpt.kind.name in (PEER_EAGLE3, PEER_DFLASH):  # read for its target, exported from there
         with tempfile.TemporaryDirectory() as tmp:
             imported = import_peer_head(ckpt, args.target, Path(tmp))
             written = export_checkpoint(imported, args.to, out, args.gguf_dtype, args.target_gguf)

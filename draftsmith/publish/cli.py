@@ -15,7 +15,7 @@ from pathlib import Path
 
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
-from draftsmith.drafts.base import PEER_EAGLE3
+from draftsmith.drafts.base import PEER_DFLASH, PEER_EAGLE3
 from draftsmith.eval.plots import PLOT_NAME
 from draftsmith.hub import HUB_ID
 from draftsmith.publish.card import base_model_of, license_of, portable, portable_recipe, render_card
@@ -272,9 +272,9 @@ def push_folder(
 def run(args: argparse.Namespace) -> int:
     """Build the folder; list it (--dry-run) or push it."""
     ckpt = locate_checkpoint(args.checkpoint)
-    if ckpt.kind.name == PEER_EAGLE3:
+    if ckpt.kind.name in (PEER_EAGLE3, PEER_DFLASH):
         raise ValueError(
-            f"{ckpt.draft_dir} is an EAGLE-3 head from another pipeline, with no record of its target or its "
+            f"{ckpt.draft_dir} is a {ckpt.kind.title}, with no record of its target or its "
             "measured numbers; read it into draftsmith's layout first (`draftsmith export DIR --to hf --target "
             "MODEL --out NEW`), evaluate that, and publish it"
         )
