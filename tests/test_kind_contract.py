@@ -15,7 +15,7 @@ from tiny import tiny_target
 
 from draftsmith.decode.speculative import generate
 from draftsmith.draft_checkpoint import locate_checkpoint
-from draftsmith.drafts import build_drafter
+from draftsmith.drafts import build_drafter, kind_names
 from draftsmith.export import export_checkpoint, verify_export
 from draftsmith.train.registry import build_objective, objective_kinds
 from draftsmith.train.teacher import compute_teacher
@@ -50,7 +50,13 @@ def train_steps(objective, batch, target) -> tuple[torch.nn.Module, list[float]]
     return draft.eval(), losses
 
 
-@pytest.mark.parametrize("kind", objective_kinds())
+def draft_kinds_that_train() -> list[str]:
+    """The registry's kinds with an objective; objectives other tests register for no kind (``test-linear``
+    of test_loop, imported before this module is collected) are not kinds and keep no contract."""
+    return [kind for kind in objective_kinds() if kind in kind_names()]
+
+
+@pytest.mark.parametrize("kind", draft_kinds_that_train())
 def test_a_kind_trains_decodes_losslessly_and_exports_to_hf_unchanged(kind, target, batch, tmp_path):
     counts = torch.bincount(batch.input_ids[batch.loss_mask.bool()], minlength=target.vocab_size)
     objective = build_objective(kind, target, {}, counts)

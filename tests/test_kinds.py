@@ -23,7 +23,7 @@ def test_every_kind_has_one_name_and_the_trainable_ones_an_objective():
     for name in names:
         kind = draft_kind(name)
         assert kind.name == name and isinstance(kind.family, Family), name
-    for name in objective_kinds():
+    for name in set(objective_kinds()) & set(names):  # other tests register objectives of no kind
         check_objective_options(name, {})  # imports its module, which registers the objective
         assert draft_kind(name).family.checkpoint, f"{name} trains, so it saves a checkpoint"
     untrained = {n for n in names if not draft_kind(n).family.checkpoint} | {PEER_EAGLE3}  # read, not trained
