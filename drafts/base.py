@@ -176,6 +176,7 @@ MIRROR = "mirror"
 DISTILL = "distill"
 MEDUSA = "medusa"
 DFLASH = "dflash"
+PEAGLE = "peagle"
 NGRAM = "ngram"
 LAYERS = "layers"
 """The kinds' names, spelled here once (beside ``PEER_EAGLE3``) so that the registry, recipes, train's
@@ -187,6 +188,7 @@ KIND_MODULES = {
     DISTILL: "draftsmith.drafts.distill",
     MEDUSA: "draftsmith.drafts.medusa",
     DFLASH: "draftsmith.drafts.dflash",
+    PEAGLE: "draftsmith.drafts.peagle",
     NGRAM: "draftsmith.drafts.ngram",
     LAYERS: "draftsmith.drafts.layer_subset",
     MIRROR: "draftsmith.drafts.mirror",
@@ -305,6 +307,27 @@ def check_target(
                 f"{name} differs ({saved.get(name)!r} vs {current.get(name)!r}). Use it with the target it was "
                 f"trained for, or train one for {current.get('name')!r}."
             )
+
+
+def default_mask_token(tokenizer, vocab_size: int) -> int:
+    """The token embedded at the slots a draft fills in parallel (DFlash blocks, P-EAGLE): the tokenizer's
+    mask, unknown or padding token, else its end of sequence (never the input of a real slot: generation
+    stops there)."""
+    for name in ("mask_token_id", "unk_token_id", "pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None) if tokenizer is not None else None
+        if isinstance(value, int) and 0 <= value < vocab_size:
+            return value
+    return vocab_size - 1
+
+
+def check_mask_token(mask_token_id: int, vocab_size: int) -> int:
+    """``draft.options.mask_token_id`` as a token of the target's vocabulary, or why it cannot be one."""
+    if not 0 <= int(mask_token_id) < int(vocab_size):
+        raise ValueError(
+            f"draft.options.mask_token_id {mask_token_id} is not a token of the target's vocabulary "
+            f"(0..{vocab_size - 1}): the draft embeds it with the target's embedding table"
+        )
+    return int(mask_token_id)
 
 
 def build_drafter(spec: str, target: Target) -> Drafter:

@@ -34,7 +34,9 @@ from draftsmith.drafts.base import (
     DRAFT_KIND_KEY,
     DraftKind,
     Family,
+    check_mask_token,
     check_target,
+    default_mask_token,
     loads_strictly,
     register,
     target_layers_line,
@@ -82,16 +84,6 @@ def check_tap_layers(layer_ids: list[int], num_layers: int) -> list[int]:
     return ids
 
 
-def default_mask_token(tokenizer, vocab_size: int) -> int:
-    """The token whose embedding marks a block's slots to draft: the tokenizer's mask, unknown or padding
-    token, else its end of sequence (never the input of a real slot: generation stops there)."""
-    for name in ("mask_token_id", "unk_token_id", "pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None) if tokenizer is not None else None
-        if isinstance(value, int) and 0 <= value < vocab_size:
-            return value
-    return vocab_size - 1
-
-
 class DFlashConfig(PretrainedConfig):
     """Shape of a DFlash draft plus the record of the target it was trained for."""
 
@@ -121,11 +113,7 @@ class DFlashConfig(PretrainedConfig):
         kwargs.pop(DRAFT_KIND_KEY, None)
         if not 2 <= int(block_size) <= MAX_BLOCK:
             raise ValueError(block_size_refusal(block_size))
-        if not 0 <= int(mask_token_id) < int(vocab_size):
-            raise ValueError(
-                f"draft.options.mask_token_id {mask_token_id} is not a token of the target's vocabulary "
-                f"(0..{vocab_size - 1}): the draft embeds it with the target's embedding table"
-            )
+        check_mask_token(mask_token_id, vocab_size)
         if int(num_hidden_layers) < 1:
             raise ValueError(f"draft.options.num_layers must be >= 1, got {num_hidden_layers}")
         self.hidden_size = hidden_size

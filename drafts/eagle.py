@@ -35,6 +35,7 @@ from draftsmith.drafts.base import (
     EAGLE1,
     EAGLE3,
     MIRROR,
+    PEAGLE,
     DraftKind,
     Family,
     register,
@@ -49,6 +50,7 @@ from draftsmith.drafts.eagle_parts import (
     check_vocab_maps,
     copy_final_norm,
     packed_segments,
+    parallel_attention_mask,
     ttt_attention_mask,
 )
 from draftsmith.drafts.engines import HF
@@ -94,6 +96,8 @@ class EagleConfig(PretrainedConfig):
         norm_before_fc: bool = False,
         norm_output: bool = False,
         feature_input_norm: bool = False,
+        mask_token_id: int | None = None,
+        parallel_depths: int | None = None,
         **kwargs,
     ):
         kwargs.pop(DRAFT_KIND_KEY, None)
@@ -127,9 +131,20 @@ class EagleConfig(PretrainedConfig):
         self.norm_before_fc = norm_before_fc  # one RMSNorm over the concatenated target states before fc
         self.norm_output = norm_output  # the hidden state fed back is the final norm's output
         self.feature_input_norm = feature_input_norm  # the feature passes input_layernorm before hidden_norm
-        # the kind's name (earlier versions wrote "eagle"); a mirror draft is an EAGLE-3 head underneath
-        setattr(self, DRAFT_KIND_KEY, MIRROR if self.mirror else preset)
+        self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
+        """P-EAGLE (``drafts/peagle.py``): the token embedded at the slots drafted in parallel; None: a chain head."""
+        self.parallel_depths = None if parallel_depths is None else int(parallel_depths)
+        """P-EAGLE: the tokens one forward was trained to draft (the real pair and parallel_depths - 1 slots)."""
+        if self.mask_token_id is not None and preset != EAGLE3:
+            raise ValueError("parallel drafting (mask_token_id) is a variant of EAGLE-3 heads only")
+        # the kind's name (earlier versions wrote "eagle"); mirror and P-EAGLE drafts are EAGLE-3 heads underneath
+        setattr(self, DRAFT_KIND_KEY, MIRROR if self.mirror else PEAGLE if self.parallel else preset)
         super().__init__(**kwargs)
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the head drafts all its tokens in one forward (P-EAGLE) rather than one per forward."""
+        return self.mask_token_id is not None
 
     @classmethod
     def for_target(
@@ -242,6 +257,8 @@ class EagleHead(PreTrainedModel):
         d2t, t2d = build_vocab_map(torch.zeros(V), config.draft_vocab_size)
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
+        if config.parallel:  # P-EAGLE: the target features standing in at slots drafted in parallel
+            self.mask_hidden = nn.Parameter(torch.zeros(len(config.capture_layer_ids) * H))
         self.freeze_target_copies()
         self.post_init()
 
@@ -279,6 +296,8 @@ class EagleHead(PreTrainedModel):
                 self.lm_head.weight.copy_(model.get_output_embeddings().weight)
         elif copied_norm:
             self.lm_head.weight.copy_(model.get_output_embeddings().weight[self.d2t])
+        if self.config.parallel:  # unit-scale, as the peers start it; zeros would sit at hidden_norm's pole
+            self.mask_hidden.normal_()
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft→target id map from ``build_vocab_map`` (EAGLE-3)."""
@@ -289,43 +308,6 @@ class EagleHead(PreTrainedModel):
             )
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
-
-    @torch.no_grad()
-    def shrink_vocab(self, token_counts: torch.Tensor, draft_vocab_size: int) -> EagleHead:
-        """Keep only the ``draft_vocab_size`` most frequent tokens of the draft vocabulary (EAGLE-3).
-
-        Drafting reads the whole draft LM head for every drafted token, and on a weight-bound device that
-        product is most of a one-layer head's cost; the rarest rows are seldom the target's choice. The
-        kept rows are copied unchanged, so on tokens still in the vocabulary the head ranks as before
-        (``token_counts`` [V]: frequencies over target ids, e.g. of the target's own answers; ties keep
-        the lower id). The config's ``draft_vocab_size`` follows. In place; returns the head.
-        """
-        if self.config.preset != EAGLE3 or self.config.lm_head_is_embedding:
-            raise ValueError(
-                "shrink_vocab needs an EAGLE-3 head with its own LM head over a draft vocabulary"
-            )
-        current = self.config.draft_vocab_size
-        if not 1 <= draft_vocab_size <= current:
-            raise ValueError(
-                f"draft_vocab_size must be in 1..{current} (this head's), got {draft_vocab_size}"
-            )
-        counts = token_counts.reshape(-1).double()
-        if counts.numel() != self.config.vocab_size:
-            raise ValueError(
-                f"token_counts has {counts.numel()} entries, the target vocabulary {self.config.vocab_size}"
-            )
-        order = torch.sort(counts[self.d2t], descending=True, stable=True).indices[:draft_vocab_size]
-        keep = order.sort().values  # draft ids in ascending target-id order, as build_vocab_map makes them
-        old = self.lm_head
-        self.lm_head = nn.Linear(old.in_features, draft_vocab_size, bias=False, device=old.weight.device)
-        self.lm_head.weight.copy_(old.weight[keep].to(self.lm_head.weight.dtype))
-        self.lm_head.to(old.weight.dtype)
-        d2t = self.d2t[keep].clone()
-        t2d = torch.zeros_like(self.t2d)
-        t2d[d2t] = True
-        self.d2t, self.t2d = d2t, t2d  # buffers: assigning a tensor replaces the registered buffer
-        self.config.draft_vocab_size = draft_vocab_size
-        return self
 
     # -- the pieces drafting and training share ---------------------------------------------------
 
@@ -340,7 +322,15 @@ class EagleHead(PreTrainedModel):
         x = torch.cat([features[i].to(dtype) for i in self.config.capture_layer_ids], dim=-1)
         if self.config.preset != EAGLE3:
             return x
+        return self.fuse_concatenated(x)
+
+    def fuse_concatenated(self, x: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3's fusion of target states already concatenated in ``capture_layer_ids`` order [..., n·H]."""
         return self.fuse_features(self.fuse_norm(x) if self.config.norm_before_fc else x)
+
+    def mask_feature(self) -> torch.Tensor:
+        """P-EAGLE: the fused feature [H] of a slot drafted in parallel (``mask_hidden`` through the fusion)."""
+        return self.fuse_concatenated(self.mask_hidden.to(self.fuse_features.weight.dtype))
 
     def step(
         self,
@@ -384,6 +374,7 @@ class EagleHead(PreTrainedModel):
         steps: int = 1,
         logit_masks: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> EagleOutput:
         """Unroll ``steps`` TTT steps over a batch (anchor t: feature_t with token_{t+1+j} at step j).
 
@@ -391,6 +382,8 @@ class EagleHead(PreTrainedModel):
         logit_masks [steps,B,T] bool: compute logits only there (saves the LM head on masked positions);
         position_ids [B,T]: packed rows (positions restart at each conversation) — a query then sees
         only step-0 keys of its own conversation (block-diagonal), as if each were its own row.
+        ``slots`` (P-EAGLE): (anchors, depths, keep) [B, S] — one forward over the real pairs and S slots
+        drafted in parallel (``parallel_attention_mask``); logit_masks is then [1, B, T + S].
         """
         B, T = input_ids.shape
         device = input_ids.device
@@ -406,6 +399,9 @@ class EagleHead(PreTrainedModel):
             positions = position_ids.to(device)
             segments = packed_segments(positions)
             same_row = segments[:, :, None] == segments[:, None, :]  # [B, T, T]
+        if slots is not None:
+            segments = packed_segments(positions) if position_ids is not None else torch.zeros_like(positions)
+            return self._parallel(input_ids, features, real, positions, segments, slots, logit_masks)
         eye = torch.eye(T, dtype=torch.bool, device=device)
         cache = DynamicCache()
         hidden, all_hidden, all_logits = self.fuse(features), [], []
@@ -421,6 +417,21 @@ class EagleHead(PreTrainedModel):
             selected = hidden if logit_masks is None else hidden[logit_masks[j]]
             all_logits.append(self.draft_logits(selected))
         return EagleOutput(all_hidden, all_logits)
+
+    def _parallel(self, input_ids, features, real, positions, segments, slots, logit_masks) -> EagleOutput:
+        """One forward over the real pairs (feature_t, token_{t+1}) and the P-EAGLE slots ``(fuse(mask_hidden),
+        MASK)`` at position anchor + depth (see ``forward``)."""
+        anchors, depths, keep = slots
+        ids = torch.cat(
+            [F.pad(input_ids[:, 1:], (0, 1)), torch.full_like(anchors, self.config.mask_token_id)], 1
+        )
+        fused = self.fuse(features)
+        feature = torch.cat([fused, self.mask_feature().to(fused.dtype).expand(*anchors.shape, -1)], dim=1)
+        slot_positions = positions.gather(1, anchors) + depths
+        mask = parallel_attention_mask(real, segments, anchors, depths, keep)
+        hidden = self.step(feature, ids, torch.cat([positions, slot_positions], 1), mask[:, None], None)
+        selected = hidden if logit_masks is None else hidden[logit_masks[0]]
+        return EagleOutput([hidden], [self.draft_logits(selected)])
 
 
 def load_head(target, path: str, what: str = "an EAGLE draft") -> EagleHead:

@@ -64,8 +64,15 @@ class EagleDrafter(Drafter):
             mask = (torch.arange(start + S, device=ids.device)[None, :] <= pos[:, None])[None, None]
         return self.head.step(feature[None], ids[None], pos[None], mask, self.cache)[0]
 
-    def _catch_up(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Cache the pending real pairs; the head's hidden state [1, H] that predicts the next token."""
+    def _catch_up(
+        self,
+        tokens: torch.Tensor,
+        extra_features: torch.Tensor | None = None,
+        extra_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Cache the pending real pairs; the head's hidden state [1, H] that predicts the next token. Draft pairs
+        ``extra_features`` [n, H] / ``extra_ids`` [n] run in the same forward after them (their hidden states
+        follow, [1 + n, H]); like every draft pair they leave the cache at ``commit``."""
         if self._raw:
             raw = {i: torch.cat([f[i] for f in self._raw]) for i in self._raw[0]}
             self.pending, self._raw = torch.cat([self.pending, self.head.fuse(raw)]), []
@@ -76,7 +83,10 @@ class EagleDrafter(Drafter):
                 f"EAGLE drafter out of step with the decoder: {start + m} positions with features, "
                 f"{tokens.shape[0]} tokens (expected one more token than featured positions)"
             )
-        hidden = self._step(self.pending, next_ids, start)[-1:]
+        feature, ids = self.pending, next_ids
+        if extra_ids is not None and extra_ids.numel():
+            feature, ids = torch.cat([feature, extra_features.to(feature.dtype)]), torch.cat([ids, extra_ids])
+        hidden = self._step(feature, ids, start)[m - 1 :]
         self.cached_len, self.pending = start + m, self.pending[:0]
         return hidden
 

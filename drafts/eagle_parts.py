@@ -1,9 +1,10 @@
 """The parts of an EAGLE head (``drafts/eagle.py``) that stand on their own, which training imports too.
 
 The draft vocabulary's map to the target's (``build_vocab_map``), the training-time-test attention mask
-(``ttt_attention_mask``), the conversations of a packed row (``packed_segments``), the copy of the
-target's final norm (``copy_final_norm``, also Medusa's), EAGLE-3's first layer (``WideInputLayer``) and
-the check of a vocabulary map as saved (``check_vocab_maps``).
+(``ttt_attention_mask``) and P-EAGLE's one-forward counterpart (``parallel_attention_mask``), the
+conversations of a packed row (``packed_segments``), the copy of the target's final norm
+(``copy_final_norm``, also Medusa's), EAGLE-3's first layer (``WideInputLayer``) and the check of a
+vocabulary map as saved (``check_vocab_maps``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,42 @@ def ttt_attention_mask(seq_len: int, step: int, device: torch.device | None = No
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
     diagonal = torch.eye(seq_len, dtype=torch.bool, device=device)
     return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+def parallel_attention_mask(
+    keys_ok: torch.Tensor,
+    segments: torch.Tensor,
+    anchors: torch.Tensor,
+    depths: torch.Tensor,
+    keep: torch.Tensor,
+) -> torch.Tensor:
+    """Mask [B, T + S, T + S] (True = attend) of one P-EAGLE training forward: T real pairs, then S slots.
+
+    A real pair t sees real pairs <= t of its conversation (``keys_ok`` [B, T]: real tokens; ``segments``
+    [B, T]: conversation index). Slot s of anchor a = ``anchors`` [B, S] at depth d = ``depths`` [B, S] sees
+    what decoding gives the slot d after a: the real pairs <= a of a's conversation and the slots of its own
+    anchor at depths <= d (itself included). A padding slot (``keep`` False) sees itself alone, no one sees it.
+    """
+    B, T = keys_ok.shape
+    device = keys_ok.device
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    same = segments[:, :, None] == segments[:, None, :]
+    real = (causal & same & keys_ok[:, None, :]) | torch.eye(T, dtype=torch.bool, device=device)
+    columns = torch.arange(T, device=device)
+    to_real = (
+        (columns[None, None, :] <= anchors[..., None])
+        & (segments[:, None, :] == segments.gather(1, anchors)[..., None])
+        & keys_ok[:, None, :]
+        & keep[..., None]
+    )  # [B, S, T]
+    to_slots = (
+        (anchors[:, :, None] == anchors[:, None, :])
+        & (depths[:, None, :] <= depths[:, :, None])
+        & keep[:, :, None]
+        & keep[:, None, :]
+    ) | torch.eye(anchors.shape[1], dtype=torch.bool, device=device)  # [B, S, S]
+    top = torch.cat([real, real.new_zeros(B, T, anchors.shape[1])], dim=2)
+    return torch.cat([top, torch.cat([to_real, to_slots], dim=2)], dim=1)
 
 
 def copy_final_norm(model: nn.Module, norm: LlamaRMSNorm) -> bool:

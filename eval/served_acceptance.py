@@ -142,9 +142,9 @@ def judge_server(server: CompletionServer, tokenizer, prompts: list[EvalPrompt],
 def served_table(record: dict, k: int | str | None = None) -> str:
     """The served draft's acceptance, and each draftsmith draft's beside it (``record`` as in served.json)."""
     served = record["served"]
-    rates = lambda row: " ".join(
+    rates = lambda row: " ".join(  # noqa: E731
         "-" if r is None or r != r else f"{r:.2f}" for r in row.get("per_position") or []
-    )  # noqa: E731
+    )
     num = lambda row, key, spec: "-" if row.get(key) is None else format(row[key], spec)  # noqa: E731
     lines = [f"{'method':<28} {'τ':>6} {'α':>6} {'tok/s':>7}  acceptance by position",
              f"{'served: ' + record['server']:<28} {num(served, 'tau', '.3f'):>6} {num(served, 'alpha', '.3f'):>6} "

@@ -9,14 +9,13 @@ import pytest
 import torch
 from test_eagle import make_teacher, self_distilled_batch, train
 from test_verify import verify_resampling_from_p
-from tiny import tiny_model, tiny_target, tiny_tokenizer
+from tiny import tiny_target, train_debug_recipe
 
 import draftsmith.decode.speculative as speculative
 from draftsmith.decode.sampling import Sampling, to_probs
 from draftsmith.decode.speculative import generate
 from draftsmith.drafts.base import build_drafter
 from draftsmith.drafts.dflash import DFlashConfig, DFlashDraft, DFlashDrafter
-from draftsmith.train.config import load_config
 from draftsmith.train.objective import Batch, Teacher
 from draftsmith.train.registry import build_objective, check_objective_options
 
@@ -257,25 +256,7 @@ def test_a_draft_for_another_target_is_refused(tmp_path):
 
 def test_trains_in_the_loop_and_loads_as_a_drafter(tmp_path):
     """The debug recipe through the one loop on a tiny saved target; the run loads as a DFlash drafter."""
-    from draftsmith.train.loop import train as train_loop
-
-    target_dir, data = tmp_path / "target", tmp_path / "convs.jsonl"
-    tiny_model("llama", layers=4).save_pretrained(target_dir)
-    tiny_tokenizer().save_pretrained(target_dir)
-    with data.open("w") as f:
-        for i in range(12):
-            turns = [
-                {"from": "human", "value": f"count from {i}"},
-                {"from": "gpt", "value": f"{i} {i + 1} {i + 2}"},
-            ]
-            f.write(json.dumps({"conversations": turns}) + "\n")
-    config = load_config(
-        "configs/debug_dflash.yaml",
-        [f"--target.spec={target_dir}", f"--data.paths=[{data}]", f"--output.dir={tmp_path / 'run'}",
-         "--trainer.max_steps=2", "--trainer.val_every=2", "--trainer.batch_size=4"],
-    )  # fmt: skip
-    result = train_loop(config, enable_progress_bar=False)
-    assert result.steps == 2 and 1.0 <= result.val["tau"] <= 1.0 + config.trainer.val_k
+    train_debug_recipe(tmp_path, "debug_dflash.yaml")
     loaded = tiny_target("llama", layers=4)
     drafter = build_drafter(str(tmp_path / "run"), loaded)
     assert isinstance(drafter, DFlashDrafter) and drafter.draft.config.block_size == 8

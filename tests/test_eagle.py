@@ -21,6 +21,7 @@ from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Teacher, decoding_walk_steps
 from draftsmith.train.objectives.eagle import EagleObjective
 from draftsmith.train.registry import build_objective
+from draftsmith.train.shrink_vocab import shrink_head_vocab
 
 ARCHS = ["llama", "qwen2"]
 PRESETS = ["eagle1", "eagle3"]
@@ -294,7 +295,7 @@ def test_shrink_vocab_keeps_the_most_frequent_rows_and_stays_lossless(target, ba
     before_d2t, before_w = head.d2t.clone(), head.lm_head.weight.detach().clone()
     counts = torch.bincount(batch.input_ids.flatten(), minlength=target.vocab_size)
     counts[before_d2t[7]] = 10_000  # a row that must survive
-    head.shrink_vocab(counts, 40)
+    shrink_head_vocab(head, counts, 40)
 
     d2t = head.d2t
     assert d2t.tolist() == sorted(d2t.tolist()) and len(d2t) == 40 == head.config.draft_vocab_size
@@ -317,7 +318,7 @@ def test_shrink_vocab_keeps_the_most_frequent_rows_and_stays_lossless(target, ba
     )
 
     with pytest.raises(ValueError, match="must be in 1..40"):
-        loaded.shrink_vocab(counts, 41)
+        shrink_head_vocab(loaded, counts, 41)
     eagle1 = objective_for(target, "eagle1").build_draft()
     with pytest.raises(ValueError, match="EAGLE-3 head"):
-        eagle1.shrink_vocab(counts, 10)
+        shrink_head_vocab(eagle1, counts, 10)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from test_eagle import make_teacher, self_distilled_batch, train
-from tiny import tiny_model, tiny_target, tiny_tokenizer
+from tiny import tiny_target, train_debug_recipe
 
 from draftsmith.decode.features import LAYER_ID_CONVENTION, capture_layers
 from draftsmith.decode.sampling import Sampling
@@ -16,7 +16,6 @@ from draftsmith.decode.tree import TreeSpec
 from draftsmith.decode.tree_decode import generate_tree
 from draftsmith.drafts.base import build_drafter, check_target
 from draftsmith.drafts.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
-from draftsmith.train.config import load_config
 from draftsmith.train.registry import build_objective
 
 ARCHS = ["llama", "qwen2"]
@@ -141,24 +140,6 @@ def test_sampled_proposals_carry_their_distributions(target):
 
 def test_trains_in_the_loop(tmp_path):
     """The debug recipe's objective through the one loop on a tiny saved target: exported, loadable."""
-    from draftsmith.train.loop import train as train_loop
-
-    target_dir, data = tmp_path / "target", tmp_path / "convs.jsonl"
-    tiny_model("llama", layers=2).save_pretrained(target_dir)
-    tiny_tokenizer().save_pretrained(target_dir)
-    with data.open("w") as f:
-        for i in range(12):
-            turns = [
-                {"from": "human", "value": f"count from {i}"},
-                {"from": "gpt", "value": f"{i} {i + 1} {i + 2}"},
-            ]
-            f.write(json.dumps({"conversations": turns}) + "\n")
-    config = load_config(
-        "configs/debug_medusa.yaml",
-        [f"--target.spec={target_dir}", f"--data.paths=[{data}]", f"--output.dir={tmp_path / 'run'}",
-         "--trainer.max_steps=2", "--trainer.val_every=2", "--trainer.batch_size=4"],
-    )  # fmt: skip
-    result = train_loop(config, enable_progress_bar=False)
-    assert result.steps == 2 and 1.0 <= result.val["tau"] <= 1.0 + config.trainer.val_k
+    result, _ = train_debug_recipe(tmp_path, "debug_medusa.yaml", layers=2)
     loaded = tiny_target("llama", layers=2)
     assert isinstance(build_drafter(str(result.draft_dir), loaded), MedusaDrafter)

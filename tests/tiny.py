@@ -101,6 +101,30 @@ def tiny_target(arch: str = "llama", seed: int = 0, **overrides):
     return Target(tiny_model(arch, seed, **overrides), tiny_tokenizer(), f"tiny-{arch}")
 
 
+def train_debug_recipe(tmp_path, recipe: str, *overrides: str, layers: int = 4):
+    """``configs/<recipe>`` through the one loop for 2 steps on a tiny saved Llama target and 12 counting
+    conversations (the recipe's draft options kept); returns the loop's result and the config it ran."""
+    import json
+
+    from draftsmith.train.config import load_config
+    from draftsmith.train.loop import train
+
+    target_dir, data = tmp_path / "target", tmp_path / "convs.jsonl"
+    tiny_model("llama", layers=layers).save_pretrained(target_dir)
+    tiny_tokenizer().save_pretrained(target_dir)
+    turns = [[{"from": "human", "value": f"count from {i}"}, {"from": "gpt", "value": f"{i} {i + 1} {i + 2}"}]
+             for i in range(12)]  # fmt: skip
+    data.write_text("".join(json.dumps({"conversations": t}) + "\n" for t in turns))
+    config = load_config(
+        f"configs/{recipe}",
+        [f"--target.spec={target_dir}", f"--data.paths=[{data}]", f"--output.dir={tmp_path / 'run'}",
+         "--trainer.max_steps=2", "--trainer.val_every=2", "--trainer.batch_size=4", *overrides],
+    )  # fmt: skip
+    result = train(config, enable_progress_bar=False)
+    assert result.steps == 2 and 1.0 <= result.val["tau"] <= 1.0 + config.trainer.val_k
+    return result, config
+
+
 def tiny_bpe_target_gguf(root):
     """An 8-layer tiny Llama target on ``tiny_bpe_tokenizer`` and its F32 GGUF (written under ``root``):
     the same model for transformers and for llama.cpp."""

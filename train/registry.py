@@ -19,7 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from draftsmith.drafts.base import DFLASH, DISTILL, EAGLE1, EAGLE3, MEDUSA, MIRROR, draft_kind, kind_names
+from draftsmith.drafts.base import (
+    DFLASH,
+    DISTILL,
+    EAGLE1,
+    EAGLE3,
+    MEDUSA,
+    MIRROR,
+    PEAGLE,
+    draft_kind,
+    kind_names,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +52,7 @@ OBJECTIVE_MODULES = {
     MEDUSA: "draftsmith.train.objectives.medusa",
     DISTILL: "draftsmith.train.objectives.distill",
     DFLASH: "draftsmith.train.objectives.dflash",
+    PEAGLE: "draftsmith.train.objectives.peagle",
 }
 """Trainable kind → the module that registers its objective (imported the first time the kind is asked
 for). A kind of ``drafts/`` missing here needs no training (n-gram, layer subset, another pipeline's head)."""
