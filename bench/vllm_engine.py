@@ -13,7 +13,12 @@ engines), greedy, k draft tokens per step:
   and at a batch of 16 (16 requests in flight); outputs at batch 1 are compared with vLLM's target alone.
   tok/s counts generated tokens over the wall time of the pass, prompt processing included.
   draftsmith (``eval.evaluate``, float32, CPU kernels packed as ``draftsmith eval`` does): the target alone
-  and the same drafts (``ngram:3``, ``layers:N``).
+  and the same drafts (``ngram:3``, ``layers:N``) in one run, interleaved, each at its own k; with each draft's
+  drafting time per step, its speedup, the bound its acceptance and costs allow (``eval/stats.SpeedupBound``)
+  and the τ it would need to break even (draft + verify cost in plain target steps).
+
+DFlash drafts (``--dflash``) draft block size - 1 tokens; P-EAGLE heads (``--peagle``, ``parallel_drafting``)
+their ``parallel_depths``; a peer pipeline's DFlash draft is read for the target first, like its EAGLE-3 heads.
 
 Prints a table, writes JSON.
 
@@ -36,11 +41,12 @@ from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import build_drafter
-from draftsmith.drafts.base import DFLASH, EAGLE3, LAYERS, MEDUSA, NGRAM, PEER_EAGLE3
-from draftsmith.eval.harness import evaluate
+from draftsmith.drafts.base import DFLASH, EAGLE3, LAYERS, MEDUSA, NGRAM, PEAGLE, PEER_DFLASH, PEER_EAGLE3
+from draftsmith.eval.harness import Method, evaluate
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.eval.report import bench_record, write_json
 from draftsmith.eval.served_acceptance import judge_server
+from draftsmith.eval.stats import SpeedupBound
 from draftsmith.export import export_checkpoint, import_peer_head
 from draftsmith.loading import resolve_model_path
 from draftsmith.openai_client import CompletionServer
@@ -79,21 +85,25 @@ def layer_subset_model(target_dir: str, n: int, out: Path) -> Path:
     return files.replace_dir(out, save)
 
 
+def named(dirs: list[str] | None) -> list[tuple[str, str]]:
+    """``[NAME=]DIR`` arguments as (name, dir); a bare DIR is named by its folder."""
+    return [tuple(d.split("=", 1)) if "=" in d else (Path(d).name, d) for d in dirs or ()]
+
+
 def settings(args, target_dir: str, work: Path) -> list[Setting]:
     """Every draft, exported for vLLM under ``work``, with its vLLM speculative config."""
     found = [Setting("alone", None, None, 0)]
     if not args.no_ngram:
         found.append(Setting(NGRAM, f"{NGRAM}:3", {"method": "ngram", "num_speculative_tokens": args.k,
                                                    "prompt_lookup_max": 3, "prompt_lookup_min": 1}, args.k))  # fmt: skip
-    heads = dict(h.split("=", 1) if "=" in h else (Path(h).name, h) for h in args.head or ())
-    drafts = [(f"{EAGLE3}:{n}", r) for n, r in heads.items()]
+    drafts = [(f"{EAGLE3}:{n}", r) for n, r in named(args.head)]
     drafts += [(MEDUSA, args.medusa)] if args.medusa else []
     drafts += [("small", args.small)] if args.small else []
-    drafts += [(f"{DFLASH}:{n}", r) for n, r in
-               (d.split("=", 1) if "=" in d else (Path(d).name, d) for d in args.dflash or ())]  # fmt: skip
+    drafts += [(f"{DFLASH}:{n}", r) for n, r in named(args.dflash)]
+    drafts += [(f"{PEAGLE}:{n}", r) for n, r in named(args.peagle)]
     for name, run in drafts:
         ckpt = locate_checkpoint(run)
-        if ckpt.kind.name == PEER_EAGLE3:  # a peer pipeline's head: read for the target first
+        if ckpt.kind.name in (PEER_EAGLE3, PEER_DFLASH):  # a peer pipeline's draft: read for the target first
             ckpt = import_peer_head(ckpt, target_dir, work / f"{name.replace(':', '-')}-read")
         out = work / f"{name.replace(':', '-')}-vllm"
         if not (out / "config.json").is_file():
@@ -103,8 +113,11 @@ def settings(args, target_dir: str, work: Path) -> list[Setting]:
         ]
         k = min(args.k, int(ckpt.config.get("num_heads", args.k))) if method == "medusa" else args.k
         k = int(ckpt.config["block_size"]) - 1 if method == "dflash" else k  # vLLM drafts whole blocks
-        found.append(Setting(name, str(ckpt.draft_dir), {"method": method, "model": str(out.resolve()),
-                                                         "num_speculative_tokens": k}, k))  # fmt: skip
+        config = {"method": method, "model": str(out.resolve()), "num_speculative_tokens": k}
+        if ckpt.kind.name == PEAGLE:  # the whole chain in one forward, as trained
+            k = config["num_speculative_tokens"] = int(ckpt.config["parallel_depths"])
+            config["parallel_drafting"] = True
+        found.append(Setting(name, str(ckpt.draft_dir), config, k))
     if args.layers:
         out = layer_subset_model(target_dir, args.layers, work / f"layers-{args.layers}-vllm")
         found.append(Setting(f"{LAYERS}:{args.layers}", f"{LAYERS}:{args.layers}",
@@ -118,21 +131,25 @@ def run_draftsmith(args, prompts, found: list[Setting]) -> tuple[dict, list[list
     target = load_target(TARGET, device="cpu", dtype="float32")
     drafts = [(s, build_drafter(s.spec, target)) for s in found if s.spec]
     pack_for_decoding(target.model, *(d for _, d in drafts))
-    rows, outputs = {}, None
-    for k in sorted({s.k for s, _ in drafts}):
-        chosen = [(s.name, d) for s, d in drafts if s.k == k]
-        result = evaluate(target, chosen, prompts, k=k, max_new_tokens=args.max_new_tokens, warmup=1)
-        base = result.baseline.total.timing.tokens_per_s
-        rows.setdefault("alone", {"tokens_per_s": base, "tokens": result.baseline.total.timing.new_tokens})
-        outputs = outputs or [o[0] for o in result.baseline.outputs]
-        for d in result.drafts:
-            a, t = d.total.acceptance, d.total.timing
-            rows[d.name] = {"k": k, "tokens": t.new_tokens, "tokens_per_s": t.tokens_per_s, "tau": a.tau,
-                            "tau_drafting": a.tau_drafting, "steps": a.num_steps,
-                            "steps_drafting": a.num_steps - a.chain_lengths.get(0, 0),
-                            "alpha": a.alpha, "per_position": a.per_position, "speedup": t.tokens_per_s / base,
-                            "exact_match": d.exact_match}  # fmt: skip
-    return rows, outputs, target
+    methods = [Method(s.name, d, k=s.k) for s, d in drafts]  # one run, interleaved, each draft at its own k
+    result = evaluate(target, methods, prompts, k=args.k, max_new_tokens=args.max_new_tokens, warmup=1)
+    base = result.baseline.total.timing.tokens_per_s
+    rows = {"alone": {"tokens_per_s": base, "tokens": result.baseline.total.timing.new_tokens}}
+    for d, m in zip(result.drafts, methods):
+        a, t = d.total.acceptance, d.total.timing
+        bound = SpeedupBound.measure(d.total, result.baseline.total)
+        rows[d.name] = {"k": m.k, "tokens": t.new_tokens, "tokens_per_s": t.tokens_per_s, "tau": a.tau,
+                        "tau_drafting": a.tau_drafting, "steps": a.num_steps,
+                        "steps_drafting": a.num_steps - a.chain_lengths.get(0, 0),
+                        "alpha": a.alpha, "per_position": a.per_position, "speedup": t.tokens_per_s / base,
+                        "draft_ms_per_step": 1e3 * t.draft_seconds / max(a.num_steps, 1),
+                        "verify_ms_per_step": 1e3 * t.verify_seconds / max(a.num_steps, 1),
+                        # in plain target steps: bound = E / (draft + verify), so a step must commit
+                        # draft + verify tokens on average for the draft to break even
+                        "speedup_bound": None if bound is None else bound.speedup,
+                        "tau_to_break_even": None if bound is None else bound.draft_cost + bound.verify_cost,
+                        "exact_match": d.exact_match}  # fmt: skip
+    return rows, [o[0] for o in result.baseline.outputs], target
 
 
 def run_vllm(args, prompts, target_dir: str, found: list[Setting], work: Path) -> dict:
@@ -176,17 +193,19 @@ def print_table(ds: dict, vl: dict) -> None:
     def rates(xs):
         return " ".join(f(x, ".2f") for x in xs or [])
 
-    print(f"\n{'draft':<16} {'k':>2} {'τ draftsmith*':>13} {'τ vLLM':>7} {'Δ':>7}  {'by position: draftsmith':<26} "
-          f"{'vLLM':<26} {'= vLLM alone':>12} {'tok/s b1':>8} {'× b1':>5} {'tok/s b16':>9} {'× b16':>5}")  # fmt: skip
+    print(f"\n{'draft':<22} {'k':>2} {'τ draftsmith*':>13} {'τ vLLM':>7} {'Δ':>7}  {'by position: draftsmith':<30} "
+          f"{'vLLM':<30} {'= alone':>7} {'draft ms':>8} {'ds ×':>5} {'bound':>5} {'τ even':>6} "
+          f"{'tok/s b1':>8} {'× b1':>5} {'× b16':>5}")  # fmt: skip
     for name, v in vl.items():
         d, b1, b16 = ds.get(name, {}), v["batch_1"], v[f"batch_{BATCH}"]
         # vLLM's mean acceptance length counts steps that drafted: draftsmith's τ over the same kind of step
         tau_d, tau_v = (1.0, 1.0) if name == "alone" else (d.get("tau_drafting"), b1.get("tau"))
         delta = None if tau_d is None or tau_v is None else tau_v - tau_d
-        print(f"{name:<16} {v['k']:>2} {f(tau_d):>13} {f(tau_v):>7} {f(delta, '+.3f'):>7}  "
-              f"{rates(d.get('per_position')):<26} {rates(b1.get('per_position')):<26} {str(v['exact_match']):>12} "
-              f"{f(b1['tokens_per_s'], '.1f'):>8} {f(b1['speedup'], '.2f'):>5} {f(b16['tokens_per_s'], '.1f'):>9} "
-              f"{f(b16['speedup'], '.2f'):>5}")  # fmt: skip
+        print(f"{name:<22} {v['k']:>2} {f(tau_d):>13} {f(tau_v):>7} {f(delta, '+.3f'):>7}  "
+              f"{rates(d.get('per_position')):<30} {rates(b1.get('per_position')):<30} {str(v['exact_match']):>7} "
+              f"{f(d.get('draft_ms_per_step'), '.1f'):>8} {f(d.get('speedup'), '.2f'):>5} "
+              f"{f(d.get('speedup_bound'), '.2f'):>5} {f(d.get('tau_to_break_even'), '.2f'):>6} "
+              f"{f(b1['tokens_per_s'], '.1f'):>8} {f(b1['speedup'], '.2f'):>5} {f(b16['speedup'], '.2f'):>5}")  # fmt: skip
 
 
 def main() -> None:
@@ -196,6 +215,9 @@ def main() -> None:
     p.add_argument("--small", help="distilled small draft: run or draft directory")
     p.add_argument(
         "--dflash", nargs="+", metavar="[NAME=]DIR", help="DFlash drafts (k = their block size - 1)"
+    )
+    p.add_argument(
+        "--peagle", nargs="+", metavar="[NAME=]DIR", help="P-EAGLE heads (k = their parallel_depths)"
     )
     p.add_argument("--no-ngram", action="store_true", help="leave out the n-gram setting")
     p.add_argument(
@@ -223,6 +245,10 @@ def main() -> None:
     same = sum(a == b for a, b in zip(vl_rows["alone"]["outputs"], ds_outputs))
     print(
         "* τ over the verify steps that drafted, as vLLM counts its mean acceptance length (eval/stats tau_drafting)"
+    )
+    print(
+        "draft ms: draftsmith's drafting per verify step; ds ×: its speedup over the target alone, bound: what its "
+        "acceptance and costs allow, τ even: the tokens a step must commit to break even at its costs"
     )
     print(f"vLLM target alone vs draftsmith float32 target alone: {same}/{len(prompts)} outputs identical")
     settings_record = vars(args) | {"num_prompts": len(prompts), "greedy": True, "vllm": version}

@@ -350,10 +350,11 @@ def test_the_vllm_verifier_refuses_what_vllm_would_guess_or_leave_uninitialised(
 # ---- the real target ----------------------------------------------------------------------------------
 
 
-def self_trained_dflash(target, directory, prompts: int = 4, new: int = 48, steps: int = 40, **options):
-    """A DFlash draft for the real target trained for a minute on its own greedy answers to the first dev
+def self_trained(kind: str, target, directory, prompts: int = 4, new: int = 48, steps: int = 40, lr: float = 3e-3,
+                 **options):  # fmt: skip
+    """A draft of ``kind`` for the real target trained for a minute on its own greedy answers to the first dev
     prompts (first turns), saved in ``directory``; returns those prompts' token ids. Decoding the same
-    prompts then accepts some of its blocks, which a random draft never has."""
+    prompts then accepts some of its drafts, which a random draft never has."""
     from draftsmith.eval.prompts import load_prompts, render
 
     asked = [render(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
@@ -365,12 +366,17 @@ def self_trained_dflash(target, directory, prompts: int = 4, new: int = 48, step
         ids[i, : len(r)], real[i, : len(r)], learnt[i, len(p) : len(r)] = r, 1, 1
     batch = Batch(ids, real, learnt)
     counts = torch.bincount(ids[learnt.bool()], minlength=target.vocab_size)
-    objective = build_objective("dflash", target, {"anchors_per_row": 48, **options}, counts)
+    objective = build_objective(kind, target, options, counts)
     draft, losses, _ = train(objective, batch, make_teacher(target, batch, objective.capture_layers, 64), steps,
-                             lr=3e-3)  # fmt: skip
+                             lr=lr)  # fmt: skip
     assert losses[-1] < losses[0]
     objective.save(draft.eval(), directory)
     return asked
+
+
+def self_trained_dflash(target, directory, **options):
+    """``self_trained`` for a DFlash draft (48 blocks per row)."""
+    return self_trained("dflash", target, directory, **{"anchors_per_row": 48, **options})
 
 
 @pytest.mark.slow

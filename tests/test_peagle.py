@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_dflash import SAMPLING, exact_distribution, max_normalised_deviation
@@ -225,3 +227,76 @@ def test_trains_in_the_loop_and_loads_as_a_drafter(tmp_path):
     assert isinstance(drafter, ParallelEagleDrafter) and drafter.max_k == 6
     prompt = torch.tensor([3, 1, 4, 1, 5])
     assert generate(loaded, prompt, drafter, 6, 16).tokens == generate(loaded, prompt, None, 0, 16).tokens
+
+
+# ---- exports ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def peagle_run(tmp_path_factory):
+    target = tiny_target("llama", layers=8)
+    counts = torch.arange(target.vocab_size).flip(0)  # low ids most frequent
+    objective = build_objective(
+        "peagle", target, {"draft_vocab_size": 100, "capture_layer_ids": [4, 1, 6]}, counts
+    )
+    run = tmp_path_factory.mktemp("peagle")
+    objective.save(objective.build_draft().eval(), run / "draft")
+    return target, run
+
+
+def test_exports_to_vllm_and_speculators_with_mask_hidden_and_other_engines_refuse(
+    peagle_run, tmp_path, capsys
+):
+    from safetensors.torch import load_file
+
+    from draftsmith.cli import main
+    from draftsmith.draft_checkpoint import locate_checkpoint
+    from draftsmith.export import export_checkpoint, verify_export
+
+    target, run = peagle_run
+    saved = load_file(run / "draft" / "model.safetensors")["mask_hidden"]
+    H = target.config.hidden_size
+    ascending = torch.cat([saved[H : 2 * H], saved[:H], saved[2 * H :]])  # trained on [4, 1, 6]: to [1, 4, 6]
+    vllm = export_checkpoint(locate_checkpoint(str(run)), "vllm", tmp_path / "vllm")
+    assert verify_export(vllm, "vllm")
+    config = json.loads((vllm / "config.json").read_text())
+    assert config["mask_token_id"] == 256 and config["eagle_aux_hidden_state_layer_ids"] == [2, 5, 7]
+    assert torch.equal(load_file(vllm / "model.safetensors")["mask_hidden"], ascending.view(1, 1, 3 * H))
+    spec = export_checkpoint(locate_checkpoint(str(run)), "speculators", tmp_path / "spec")
+    assert verify_export(spec, "speculators")
+    config = json.loads((spec / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["architectures"] == ["PEagleSpeculator"]
+    assert config["mask_token_id"] == 256
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 8
+    for engine in ("sglang", "gguf"):
+        assert main(["export", str(run), "--to", engine, "--out", str(tmp_path / engine)]) == 2
+        assert "would run the head as a chain head" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("engine", "break_it", "problem"),
+    [
+        ("vllm", lambda c, t: t.pop("mask_hidden"), "weight mask_hidden missing"),
+        ("vllm", lambda c, t: t.update(mask_hidden=torch.zeros(1, 1, 7)), "mask_hidden has shape"),
+        ("vllm", lambda c, t: c.update(mask_token_id=10**6), "mask_token_id 1000000"),
+        ("speculators", lambda c, t: c.update(speculators_model_type="eagle3"), "must be 'peagle'"),
+        ("speculators", lambda c, t: t.pop("mask_hidden"), "weight mask_hidden missing"),
+    ],
+)
+def test_the_verifiers_refuse_a_parallel_head_vllm_would_run_wrong(
+    peagle_run, tmp_path, engine, break_it, problem
+):
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.draft_checkpoint import locate_checkpoint
+    from draftsmith.export import export_checkpoint
+    from draftsmith.export.verify import ExportVerificationError, verify_export
+
+    _, run = peagle_run
+    out = export_checkpoint(locate_checkpoint(str(run)), engine, tmp_path / engine)
+    config, tensors = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    break_it(config, tensors)
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(ExportVerificationError, match=problem):
+        verify_export(out, engine)

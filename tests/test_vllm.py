@@ -177,6 +177,35 @@ def dflash_served(real_target, tmp_path_factory, request):
         yield root / "draft", server
 
 
+PEAGLE_DEPTHS = 6
+
+
+@pytest.fixture(scope="module")
+def peagle_run(real_target, tmp_path_factory):
+    """A P-EAGLE head for the bundled target trained for a minute on its own answers to the first dev prompts."""
+    from tests.test_dflash import self_trained
+
+    root = tmp_path_factory.mktemp("vllm_peagle")
+    self_trained("peagle", real_target, root / "draft", parallel_depths=PEAGLE_DEPTHS, draft_vocab_size=8192)
+    return root
+
+
+@pytest.fixture(scope="module", params=["vllm", "speculators"])
+def peagle_served(real_target, peagle_run, request):
+    """vLLM serving that head in parallel: exported --to vllm with ``"parallel_drafting": true`` asked, or --to
+    speculators, whose ``peagle`` type sets it."""
+    out = export_checkpoint(
+        locate_checkpoint(str(peagle_run / "draft")), request.param, peagle_run / request.param
+    )
+    config = {"model": str(out), "num_speculative_tokens": PEAGLE_DEPTHS}
+    if request.param == "vllm":
+        config |= {"method": "eagle3", "parallel_drafting": True}
+    with vllm.Server(
+        real_target.model.name_or_path, config, log=peagle_run / f"{request.param}.log", kv_cache_gib=1
+    ) as server:
+        yield peagle_run / "draft", server
+
+
 @pytest.fixture(scope="module")
 def plain_served(real_target, tmp_path_factory):
     with vllm.Server(
@@ -219,6 +248,22 @@ def test_served_dflash_is_accepted_as_in_draftsmiths_decoder(dflash_served, tmp_
     served, ours = record["served"], next(iter(record["draftsmith"].values()))
     assert served["verify_steps_with_drafts"] > 10 and len(served["per_position"]) == 7
     assert served["tau"] > 1.2  # trained on these very answers: whole blocks are accepted
+    assert served["tau"] == pytest.approx(ours["tau_drafting"], abs=0.03)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_served_peagle_drafts_in_parallel_as_draftsmiths_decoder_does(peagle_served, tmp_path):
+    draft, server = peagle_served
+    run = cli("eval", "--target", TARGET, "--draft", str(draft), "--server", server.url, "--prompts",
+              "builtin:dev_prompts", "--limit", "4", "--max-new-tokens", "48", "--k", str(PEAGLE_DEPTHS),
+              "--out", str(tmp_path / "eval"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = json.loads((tmp_path / "eval" / "served.json").read_text())
+    served, ours = record["served"], next(iter(record["draftsmith"].values()))
+    assert served["verify_steps_with_drafts"] > 10 and len(served["per_position"]) == PEAGLE_DEPTHS
+    assert served["tau"] > 1.2  # trained on these very answers
+    assert served["per_position"][1] > 0  # a slot drafted in parallel, not only the real pair, was accepted
     assert served["tau"] == pytest.approx(ours["tau_drafting"], abs=0.03)
 
 

@@ -1,5 +1,9 @@
 """EAGLE-3 heads in the layout vLLM's and SGLang's EAGLE-3 loaders read (see docs/EXPORT.md).
 
+A P-EAGLE head (``drafts/peagle.py``) is the same layout plus ``mask_hidden`` [1, 1, 3·H] (its blocks in
+ascending layer order, as fc's columns) and a top-level ``mask_token_id``: vLLM 0.32 drafts with it when the
+speculative config says ``"parallel_drafting": true``.
+
 Both engines load the reference EAGLE-3 layout (``LlamaForCausalLMEagle3``): ``fc`` fuses the three
 captured target states, one ``midlayer`` whose attention reads ``[input_layernorm(emb),
 hidden_norm(feature)]``, ``norm`` and a reduced-vocabulary ``lm_head``; ``d2t`` holds OFFSETS (target
@@ -46,6 +50,7 @@ NAME_MAP = {
     "lm_head.weight": "lm_head.weight",
     "d2t": "d2t",
     "t2d": "t2d",
+    "mask_hidden": "mask_hidden",  # P-EAGLE heads only
 }
 
 
@@ -168,13 +173,16 @@ def reference_weights(weights: dict[str, torch.Tensor], config: dict, engine: st
     """draftsmith EagleHead tensors → reference EAGLE-3 tensors for ``engine``: names mapped, fc's
     columns in ascending layer order, ``d2t`` as offsets (or left out where the engine wants none)."""
     unknown = sorted(set(weights) - set(NAME_MAP))
-    missing = sorted(set(NAME_MAP) - set(weights))
+    missing = sorted(set(NAME_MAP) - set(weights) - ({"mask_hidden"} if config.get("mask_token_id") is None else set()))
     if unknown or missing:
         raise ValueError(
             f"the EAGLE head's weights do not match the one-layer EAGLE-3 layout: unknown {unknown}, missing {missing}"
         )
     out = {NAME_MAP[name]: tensor.contiguous() for name, tensor in weights.items()}
     _, out["fc.weight"] = ascending_capture(config["capture_layer_ids"], out["fc.weight"])
+    if "mask_hidden" in out:  # concatenated target states, like fc's input: blocks in the same order, [1, 1, n·H]
+        _, mask = ascending_capture(config["capture_layer_ids"], out["mask_hidden"][None])
+        out["mask_hidden"] = mask.view(1, 1, -1)
     d2t = weights["d2t"].long()
     if drops_vocab_map(config, engine):
         if not torch.equal(d2t, torch.arange(d2t.numel())):
@@ -220,6 +228,8 @@ def reference_config(config: dict, engine: str, dtype: torch.dtype) -> dict:
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     ids = engine_layer_ids(sorted(config["capture_layer_ids"]), engine)
+    if config.get("mask_token_id") is not None:  # P-EAGLE: vLLM's parallel drafting reads mask_token_id
+        out["mask_token_id"] = int(config["mask_token_id"])
     if engine == VLLM.name:
         out["eagle_aux_hidden_state_layer_ids"] = ids
         out["norm_before_residual"] = False  # the residual is the fused feature before hidden_norm
@@ -241,6 +251,8 @@ def source_record(config: dict, engine: str) -> dict:
         else "offsets (target id = draft id + d2t[draft id])",
         "target": config["target"],
     }
+    if config.get("parallel_depths"):
+        record["parallel_depths"] = config["parallel_depths"]
     if trained != sorted(trained):
         record["trained_capture_layer_ids"] = trained
         record["fc"] = "column blocks permuted into ascending layer order"

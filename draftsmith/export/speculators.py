@@ -1,4 +1,5 @@
-"""EAGLE-3 heads in the speculators format (``Eagle3Speculator``), the layout vLLM's docs point to.
+"""EAGLE-3 and P-EAGLE heads in the speculators format (``Eagle3Speculator``, ``PEagleSpeculator``), the
+layout vLLM's docs point to.
 
 vLLM reads it through ``vllm/transformers_utils/configs/speculators`` (docs/EXPORT.md gives the
 version and what it reads): the decoder shape comes from ``transformer_layer_config``, and
@@ -34,6 +35,9 @@ from draftsmith.export.verify import read_export_config, verify_speculators
 ARCHITECTURE = "Eagle3Speculator"
 ALGORITHM = "eagle3"
 """``speculators_model_type`` and ``algorithm`` of an EAGLE-3 head: speculators' name for it."""
+PARALLEL_ARCHITECTURE, PARALLEL_ALGORITHM = "PEagleSpeculator", "peagle"
+"""The same for a P-EAGLE head (speculators' ``PEagleSpeculatorConfig``; vLLM maps it to EAGLE-3 with
+``parallel_drafting``)."""
 SCHEMA_VERSION = "0.9.0"
 """The speculators release whose ``Eagle3SpeculatorConfig`` this layout follows."""
 SPECULATIVE_TOKENS = 5
@@ -50,18 +54,25 @@ def verifier_record(target: dict) -> dict:
 
 
 def speculators_config(config: dict, dtype: torch.dtype, source: dict) -> dict:
-    """config.json of an ``Eagle3Speculator`` checkpoint for the EAGLE-3 head ``config`` (its config.json)."""
+    """config.json of an ``Eagle3Speculator`` checkpoint for the EAGLE-3 head ``config`` (its config.json), or
+    of a ``PEagleSpeculator`` for a P-EAGLE head (vLLM then drafts in parallel without being told)."""
     target = config["target"]
+    parallel = config.get("mask_token_id") is not None
+    algorithm, architecture = (
+        (PARALLEL_ALGORITHM, PARALLEL_ARCHITECTURE) if parallel else (ALGORITHM, ARCHITECTURE)
+    )
+    extra = {"mask_token_id": int(config["mask_token_id"])} if parallel else {}
     return {
-        "architectures": [ARCHITECTURE],
-        "speculators_model_type": ALGORITHM,
+        "architectures": [architecture],
+        "speculators_model_type": algorithm,
         "speculators_version": SCHEMA_VERSION,
+        **extra,
         "speculators_config": {
-            "algorithm": ALGORITHM,
+            "algorithm": algorithm,
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": SPECULATIVE_TOKENS,
+                    "speculative_tokens": int(config.get("parallel_depths") or SPECULATIVE_TOKENS),
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }

@@ -95,7 +95,16 @@ def _eagle3_expected_shapes(c: dict, engine: str, layer: str = "midlayer.") -> d
     }
     if engine == SGLANG.name or c["draft_vocab_size"] != c["vocab_size"]:
         shapes |= {"d2t": (c["draft_vocab_size"],), "t2d": (c["vocab_size"],)}
+    if c.get("mask_token_id") is not None:  # P-EAGLE: vLLM raises without it under parallel drafting
+        shapes["mask_hidden"] = (1, 1, 3 * Ht)
     return shapes
+
+
+def _check_mask_token(config: dict, vocab_size: int, problems: list[str]) -> None:
+    """A P-EAGLE export's mask token: a token of the vocabulary (vLLM embeds it at every parallel slot)."""
+    mask = config.get("mask_token_id")
+    if mask is not None and not (isinstance(mask, int) and 0 <= mask < vocab_size):
+        problems.append(f"mask_token_id {mask!r} is not a token id of the vocabulary")
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -178,6 +187,7 @@ def verify_eagle3_engine(folder: Path, engine: str) -> list[str]:
             "norm_before_residual must be false: the residual is the fused feature before hidden_norm"
         )
     _check_layer_ids(config, engine, problems)
+    _check_mask_token(config, config.get("vocab_size") or 0, problems)
     if any(p.startswith("config field") for p in problems):
         return problems
     tensors = _read_tensors(folder)
@@ -248,9 +258,11 @@ def verify_speculators(folder: Path) -> list[str]:
     """Problems an ``Eagle3Speculator`` export has for vLLM's speculators reader (configs/speculators)."""
     config = files.read_json(folder / "config.json", EXPORT_FIX)
     problems: list[str] = []
-    if config.get("speculators_model_type") != SPECULATORS_ALGORITHM:
+    algorithm = SPECULATORS_ALGORITHM if config.get("mask_token_id") is None else "peagle"
+    if config.get("speculators_model_type") != algorithm:
         problems.append(
-            f"speculators_model_type must be 'eagle3', got {config.get('speculators_model_type')!r}"
+            f"speculators_model_type must be {algorithm!r} (a head with{'out' * (algorithm != 'peagle')} "
+            f"mask_token_id), got {config.get('speculators_model_type')!r}"
         )
     spec = config.get("speculators_config") or {}
     methods = spec.get("proposal_methods") or [{}]
@@ -276,9 +288,11 @@ def verify_speculators(folder: Path) -> list[str]:
         if config.get(key):
             problems.append(f"{key} is true, but the head has no such norm")
     _check_layer_ids(config, SPECULATORS.name, problems)
+    _check_mask_token(config, layer.get("vocab_size") or 0, problems)
     if any(p.startswith("config field") for p in problems):
         return problems
     flat = {**{k: layer[k] for k in DECODER_INTS}, **{k: config[k] for k in HEAD_INTS}}
+    flat["mask_token_id"] = config.get("mask_token_id")
     _check_eagle3_tensors(folder, flat, SPECULATORS.name, problems, layer="layers.0.")
     return problems
 

@@ -85,6 +85,10 @@ def usage(card: CardContext) -> list[str]:
         config, model = '"method": "dflash"', '"model": "draft-vllm"'
         k = card.config.get("block_size", k + 1) - 1  # one block: the last token and block_size - 1 drafts
         export = [f"draftsmith export {repo} --to vllm --out draft-vllm"]
+    elif card.config.get("mask_token_id") is not None:  # P-EAGLE: the whole chain in one forward
+        config, model = '"method": "eagle3", "parallel_drafting": true', '"model": "draft-vllm"'
+        k = card.config.get("parallel_depths") or k
+        export = [f"draftsmith export {repo} --to vllm --out draft-vllm"]
     else:
         config, model = '"method": "eagle3"', '"model": "draft-vllm"'
         export = [f"draftsmith export {repo} --to vllm --out draft-vllm"]
