@@ -1,0 +1,133 @@
+"""Block drafters against the EAGLE-3 head at the quickstart's data and budget: the figure that decides.
+
+Every draft is trained by ``draftsmith train`` on the quickstart recipe (``configs/quickstart.yaml``: its data,
+packing, optimiser, schedule, batch and 200 steps, so the same 409,600 training positions) with only its
+``draft`` section replaced and ``trainer.max_time`` lifted (equal tokens, not equal minutes):
+
+  eagle3            the quickstart's own head (1 layer, 8,192-token draft vocabulary, 3 TTT steps)
+  dflash-L{1,2}-b{8,16}  DFlash, 1 or 2 layers, blocks of 8 or 16, the same 8,192-token draft vocabulary
+  peagle            P-EAGLE, 1 layer, 8 tokens per forward, the same draft vocabulary
+
+then judged in one run of ``bench/vllm_engine.py``: draftsmith's decoder (one interleaved ``evaluate``, each
+draft at its own k: EAGLE-3 5, DFlash block size - 1, P-EAGLE its parallel depth; τ, acceptance by position,
+drafting ms per step, speedup, its bound and the τ that would break even) and vLLM 0.32 serving every export
+(its own acceptance counters), beside n-gram and the target alone. ``--peer NAME=DIR`` adds DFlash drafts
+another pipeline trained (``bench/peer_training.py --draft dflash --tokens 409600``) to the same judging.
+
+Resumable: a draft whose run holds ``draft/config.json`` is not trained again, a run stopped midway goes on
+with ``--resume``. Prints the training table, writes JSON (--out; vLLM's judging in --judge-out).
+
+    python bench/block_drafters.py --work runs/blocks --out bench/results/block_drafters.json \\
+        --judge-out bench/results/block_drafters_judged.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+VOCAB = 8192
+DRAFTS = {
+    "eagle3": None,  # the quickstart's own draft section
+    "dflash-L1-b8": {
+        "kind": "dflash",
+        "options": {"num_layers": 1, "block_size": 8, "draft_vocab_size": VOCAB},
+    },
+    "dflash-L2-b8": {
+        "kind": "dflash",
+        "options": {"num_layers": 2, "block_size": 8, "draft_vocab_size": VOCAB},
+    },
+    "dflash-L1-b16": {
+        "kind": "dflash",
+        "options": {"num_layers": 1, "block_size": 16, "draft_vocab_size": VOCAB},
+    },
+    "dflash-L2-b16": {
+        "kind": "dflash",
+        "options": {"num_layers": 2, "block_size": 16, "draft_vocab_size": VOCAB},
+    },
+    "peagle": {"kind": "peagle", "options": {"parallel_depths": 8, "draft_vocab_size": VOCAB}},
+}
+
+
+def recipe(name: str, run: Path) -> dict:
+    """The quickstart recipe with the draft section of ``name`` and no time limit."""
+    data = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
+    if DRAFTS[name] is not None:
+        data["draft"] = DRAFTS[name]
+    data["trainer"]["max_time"] = None
+    data["output"]["dir"] = str(run)
+    return data
+
+
+def train(name: str, work: Path) -> dict:
+    """Train ``name`` under ``work/name`` unless its draft is there; its record (command, wall seconds, the
+    run's last validation and step count as ``train_state.json`` says)."""
+    run = work / name
+    state = run / "draft" / "train_state.json"
+    record: dict = {"run": str(run)}
+    steps = recipe(name, run)["trainer"]["max_steps"]
+    if not state.is_file() or json.loads(state.read_text()).get("step", 0) < steps:  # validated at the end
+        run.mkdir(parents=True, exist_ok=True)
+        config = run.parent / f"{name}.yaml"
+        config.write_text(yaml.safe_dump(recipe(name, run), sort_keys=False))
+        cmd = [sys.executable, "-m", "draftsmith.cli", "train", str(config)]
+        if (run / "checkpoints").is_dir():
+            cmd.append("--resume")
+        print(f"[block_drafters] {' '.join(cmd)}", flush=True)
+        started = time.perf_counter()
+        subprocess.run(cmd, check=True, cwd=REPO)
+        record |= {"command": cmd, "wall_s": time.perf_counter() - started}
+    saved = json.loads(state.read_text()) if state.is_file() else {}
+    return record | {"train_state": saved}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", default="runs/blocks", help="one run folder per draft")
+    p.add_argument("--only", nargs="+", choices=list(DRAFTS), help="train and judge only these drafts")
+    p.add_argument(
+        "--peer", nargs="+", default=[], metavar="NAME=DIR", help="peers' DFlash drafts to judge too"
+    )
+    p.add_argument("--no-judge", action="store_true", help="train only")
+    p.add_argument("--limit", type=int, default=12, help="dev prompts judged (round-robin over categories)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--out", default="bench/results/block_drafters.json")
+    p.add_argument("--judge-out", default="bench/results/block_drafters_judged.json")
+    args = p.parse_args()
+    work = Path(args.work).resolve()
+    names = args.only or list(DRAFTS)
+    trained = {name: train(name, work) for name in names}
+    print(f"\n{'draft':<16} {'steps':>5} {'train s':>8}  last validation")
+    for name, r in trained.items():
+        s = r["train_state"]
+        print(
+            f"{name:<16} {s.get('step', '-')!s:>5} {r.get('wall_s', float('nan')):>8.0f}  {s.get('val', '')}"
+        )
+    from draftsmith.eval.report import provenance, write_json
+
+    write_json(
+        args.out, {"settings": vars(args), "drafts": DRAFTS, "trained": trained, "provenance": provenance()}
+    )
+    if args.no_judge:
+        return
+    heads = [f"{n}={work / n}" for n in names if n == "eagle3"]
+    dflash = [f"{n}={work / n}" for n in names if n.startswith("dflash")] + list(args.peer)
+    peagle = [f"{n}={work / n}" for n in names if n == "peagle"]
+    cmd = [sys.executable, str(BENCH / "vllm_engine.py"), "--limit", str(args.limit), "--max-new-tokens",
+           str(args.max_new_tokens), "--k", "5", "--work", str(work / "vllm"), "--out", args.judge_out]  # fmt: skip
+    for flag, dirs in (("--head", heads), ("--dflash", dflash), ("--peagle", peagle)):
+        cmd += [flag, *dirs] if dirs else []
+    print(f"[block_drafters] {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO)
+
+
+if __name__ == "__main__":
+    main()
