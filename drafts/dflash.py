@@ -42,7 +42,6 @@ from draftsmith.drafts.base import (
     target_layers_line,
 )
 from draftsmith.drafts.eagle_parts import build_vocab_map, copy_final_norm
-from draftsmith.drafts.engines import GGUF, HF, VLLM
 
 MAX_BLOCK = 64
 """The largest block draftsmith trains or decodes (the paper's blocks are 8-16)."""
@@ -488,12 +487,4 @@ def card_lines(config: dict) -> list[str]:
 
 DFLASH_BLOCKS = Family(DFLASH, "DFlash draft", verify_hf=loads_strictly(DFlashDraft), card_lines=card_lines)
 """Block drafters on the target's tapped hidden states (the family's name is the kind's)."""
-NO_DFLASH_LAYOUT = (
-    "vLLM 0.32 (--to vllm) and llama.cpp 0.3.36 (--to gguf) serve DFlash drafts; draftsmith has not checked "
-    "SGLang's or speculators' DFlash layout against their loaders, so it writes none; use --to hf, vllm or gguf"
-)
-register(
-    DraftKind(
-        DFLASH, "DFlash draft", _build, DFLASH_BLOCKS, exports=(HF, VLLM, GGUF), refusal=NO_DFLASH_LAYOUT
-    )
-)
+register(DraftKind(DFLASH, "DFlash draft", _build, DFLASH_BLOCKS))  # every engine with a DFlash writer

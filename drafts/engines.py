@@ -101,14 +101,18 @@ HF = register_engine(Engine(
 ))  # fmt: skip
 VLLM = register_engine(Engine("vllm", "vLLM", "vLLM 0.33.0 (llama_eagle3.py, llama.py capture, interfaces.py)",
     help="EAGLE-3: LlamaForCausalLMEagle3, layer ids top-level in vLLM's convention (input of layer L: draftsmith "
-    "id + 1), d2t as offsets, none for a full vocabulary; distilled: the transformers directory (draft_model)"))  # fmt: skip
+    "id + 1), d2t as offsets, none for a full vocabulary (P-EAGLE: plus mask_hidden and mask_token_id, served with "
+    "parallel_drafting); DFlash: DFlashDraftModel; Medusa: MedusaModel; distilled: the transformers directory "
+    "(draft_model)"))  # fmt: skip
 SGLANG = register_engine(Engine("sglang", "SGLang", "SGLang 0.5.23 (llama_eagle3.py, spec_aux_hidden_state.py)",
     help="EAGLE-3: LlamaForCausalLMEagle3, layer ids in eagle_config in SGLang's convention (= draftsmith's: "
-    "output of layer i), d2t as offsets; distilled: the transformers directory (STANDALONE)"))  # fmt: skip
+    "output of layer i), d2t as offsets; DFlash: SpecForge's DFlashDraftModel folder; distilled: the "
+    "transformers directory (STANDALONE)"))  # fmt: skip
 SPECULATORS = register_engine(Engine(
     "speculators", "speculators format",
     "speculators 0.9.0 (Eagle3SpeculatorConfig, Eagle3DraftModel.save_pretrained); vLLM 0.33.0 configs/speculators",
-    help="EAGLE-3: Eagle3Speculator, the speculators format vLLM's docs point to (vLLM's conventions)",
+    help="EAGLE-3: Eagle3Speculator, the speculators format vLLM's docs point to (vLLM's conventions); "
+    "P-EAGLE: PEagleSpeculator; DFlash: DFlashSpeculator",
     refuses={"causal_lm": "the speculators format holds EAGLE-3 heads; a distilled draft is an ordinary causal "
              "LM: export it with --to vllm (vLLM's draft_model method loads the transformers directory)"},
 ))  # fmt: skip

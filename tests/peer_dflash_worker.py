@@ -1,5 +1,5 @@
-"""Run inside a peer's own venv (scripts/install_peers.sh): load a DFlash draft draftsmith exported for vLLM
-with the peer's own DFlash model class and run the peer's own forward on the inputs draftsmith wrote, so
+"""Run inside a peer's own venv (scripts/install_peers.sh): load a DFlash draft draftsmith exported (SpecForge:
+``--to sglang``, the folder vLLM also reads; speculators: ``--to speculators``) with the peer's own DFlash model class and run the peer's own forward on the inputs draftsmith wrote, so
 tests/test_dflash_peers.py can hold draftsmith's forward against it; or (``save``) build a DFlash draft with
 the peer's own class for a tiny target, save it as the peer saves it, and record the peer's own forward, so
 the test can hold draftsmith's reading of the saved draft against it.
@@ -8,7 +8,8 @@ the test can hold draftsmith's reading of the saved draft against it.
     PEER_VENV/bin/python tests/peer_dflash_worker.py save PEER TARGET_DIR HEAD_OUT IO_IN IO_OUT SETTINGS_JSON
 
 IO_IN holds ``block_embeds`` [1, Q, H] (the block's input embeddings), ``context`` [1, C, K·H] (the target
-states at the tapped layers, concatenated in layer order) and ``positions`` [1, C + Q]; IO_OUT gets
+states at the tapped layers, concatenated in layer order), ``positions`` [1, C + Q], and for speculators (which
+embeds the block itself) ``anchor`` and ``embed_tokens`` (the target's table); IO_OUT gets
 ``hidden`` [1, Q, H], the peer's normed output for the block. ``save`` reads ``anchor`` (the block's first
 token) instead of ``block_embeds``, the peer embeds the block with the target's table itself; SETTINGS_JSON
 holds ``layer_ids`` (draftsmith's convention: output of layer i), ``num_layers``, ``block_size``,
@@ -36,7 +37,28 @@ def specforge_hidden(export: str, io: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def speculators_hidden(export: str, io: dict[str, torch.Tensor]) -> torch.Tensor:
-    raise NotImplementedError("speculators' DFlash reader: see tests/test_dflash_peers.py")
+    """speculators' DFlashDraftModel from draftsmith's ``--to speculators`` folder (strictly: nothing missing or
+    unexpected), the target's embedding table installed, and its own anchored-block forward with one anchor
+    at C (as ``speculators_saved``)."""
+    from speculators.models.dflash import DFlashDraftModel
+
+    model, info = DFlashDraftModel.from_pretrained(export, dtype=torch.float32, output_loading_info=True)
+    loose = {key: sorted(names) for key, names in info.items() if names and key != "error_msgs"}
+    if loose or info.get("error_msgs"):
+        raise ValueError(f"speculators did not load {export} as saved: {loose} {info.get('error_msgs')}")
+    model.eval().embed_tokens.weight.copy_(io["embed_tokens"])
+    C, Q, H = io["context"].shape[1], model.config.block_size, io["embed_tokens"].shape[1]
+    S = C + 2 * Q
+    ids = torch.zeros(1, S, dtype=torch.long)
+    ids[0, C] = int(io["anchor"])
+    loss_mask = torch.zeros(1, S, dtype=torch.long)
+    loss_mask[0, C] = 1
+    context = torch.cat([io["context"], torch.zeros(1, S - C, io["context"].shape[-1])], dim=1)
+    hidden, *_ = model._backbone_forward(
+        context, ids, loss_mask, torch.randn(1, S, H), torch.zeros(1, S, dtype=torch.long), torch.arange(S)[None],
+        max_anchors=1,
+    )  # fmt: skip
+    return hidden
 
 
 PEERS = {"specforge": specforge_hidden, "speculators": speculators_hidden}

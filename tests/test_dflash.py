@@ -295,7 +295,7 @@ def test_a_draft_vocabulary_exports_with_its_head_and_vllms_offsets(tmp_path):
     assert "t2d" not in tensors and tensors["lm_head.weight"].shape == (100, target.config.hidden_size)
 
 
-def test_exports_to_vllms_layout_and_other_engines_refuse_naming_why(dflash_run, tmp_path, capsys):
+def test_exports_to_vllms_layout_which_sglang_gets_too(dflash_run, tmp_path, capsys):
     from draftsmith.cli import main
     from draftsmith.draft_checkpoint import locate_checkpoint
     from draftsmith.export import export_checkpoint, verify_export
@@ -309,12 +309,78 @@ def test_exports_to_vllms_layout_and_other_engines_refuse_naming_why(dflash_run,
     assert config["block_size"] == 4 and config["layer_types"] == ["full_attention"] * 2
     assert config["rope_parameters"]["rope_theta"] == target.config.rope_parameters["rope_theta"]
     assert "eagle_config" not in config and "eagle_aux_hidden_state_layer_ids" not in config
-    for engine in ("sglang", "speculators"):
-        assert main(["export", str(run), "--to", engine, "--out", str(tmp_path / engine)]) == 2
-        assert "use --to hf, vllm or gguf" in capsys.readouterr().err
+    sglang = export_checkpoint(
+        locate_checkpoint(str(run)), "sglang", tmp_path / "sglang"
+    )  # SpecForge's folder
+    assert verify_export(sglang, "sglang") and json.loads((sglang / "config.json").read_text()) == config
     # llama.cpp serves it beside its target's GGUF (tests/test_llamacpp_dflash.py), which this target has not
     assert main(["export", str(run), "--to", "gguf", "--out", str(tmp_path / "d.gguf")]) == 2
     assert "--target-gguf" in capsys.readouterr().err
+
+
+def test_exports_to_the_speculators_format_and_reads_back_as_the_same_draft(tmp_path):
+    """--to speculators writes speculators 0.9.0's DFlashSpeculator; draftsmith's reader of speculators' own
+    DFlash drafts (drafts/dflash_import.py, held against speculators' forward in test_dflash_peers) reads it
+    back to the draft's own logits, its vocabulary and its taps (vLLM's convention: draftsmith id + 1)."""
+    from draftsmith.draft_checkpoint import locate_checkpoint
+    from draftsmith.drafts.dflash_import import import_dflash
+    from draftsmith.export import export_checkpoint, verify_export
+
+    target = tiny_target("llama", layers=4)
+    counts = torch.arange(target.vocab_size).flip(0)
+    objective = build_objective(
+        "dflash", target, {"block_size": 4, "num_layers": 2, "draft_vocab_size": 100}, counts
+    )
+    draft = objective.build_draft().eval()
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn(param.shape))
+    objective.save(draft, tmp_path / "draft")
+    out = export_checkpoint(locate_checkpoint(str(tmp_path / "draft")), "speculators", tmp_path / "spec")
+    assert verify_export(out, "speculators")
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    read = import_dflash(target, out)
+    assert torch.equal(read.d2t, draft.d2t)
+    prompt = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3))
+    target.set_capture(draft.config.capture_layer_ids)
+    for d in (draft, read):
+        target.reset()
+        drafter = DFlashDrafter(d, target.model)
+        drafter.begin(prompt[:-1], target.forward(prompt[:-1]).features)
+        logits = drafter.block_logits(int(prompt[-1]), 8)
+        if d is draft:
+            want = logits
+    target.set_capture(())
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("break_it", "problem"),
+    [
+        (lambda c, t: c.update(aux_hidden_state_layer_ids=[3, 1]), "strictly increasing list of ids >= 1"),
+        (lambda c, t: c.update(sample_from_anchor=True), "sample_from_anchor"),
+        (lambda c, t: c.update(mask_token_id=10**6), "mask_token_id 1000000"),
+        (lambda c, t: t.pop("layers.0.self_attn.k_norm.weight"), "missing layers.0.self_attn.k_norm.weight"),
+    ],
+)
+def test_the_speculators_verifier_refuses_what_vllm_would_misread(dflash_run, tmp_path, break_it, problem):
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.draft_checkpoint import locate_checkpoint
+    from draftsmith.export import export_checkpoint
+    from draftsmith.export.verify import ExportVerificationError, verify_export
+
+    _, run = dflash_run
+    out = export_checkpoint(locate_checkpoint(str(run)), "speculators", tmp_path / "spec")
+    config, tensors = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
+    break_it(config, tensors)
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(tensors, out / "model.safetensors")
+    with pytest.raises(ExportVerificationError, match=problem):
+        verify_export(out, "speculators")
 
 
 @pytest.mark.parametrize(

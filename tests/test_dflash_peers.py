@@ -45,7 +45,8 @@ def exported(tmp_path_factory):
             if "norm" in name:
                 param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen))
     draft.eval().save_pretrained(root / "draft")
-    out = export_checkpoint(locate_checkpoint(str(root / "draft")), "vllm", root / "vllm")
+    outs = {peer: export_checkpoint(locate_checkpoint(str(root / "draft")), engine, root / engine)
+            for peer, engine in EXPORT_FOR.items()}  # fmt: skip
     C, H = 9, target.config.hidden_size
     features = {i: torch.randn(1, C, H, generator=gen) for i in draft.config.capture_layer_ids}
     ids, positions = block_inputs(torch.tensor([[42]]), torch.tensor([[C]]), 8, draft.config.mask_token_id)
@@ -57,14 +58,22 @@ def exported(tmp_path_factory):
         "block_embeds": embeds[0].contiguous(),
         "context": torch.cat([features[i] for i in draft.config.capture_layer_ids], -1).contiguous(),
         "positions": torch.arange(C + 8)[None],
+        "anchor": torch.tensor(42),
+        "embed_tokens": target.model.get_input_embeddings().weight.detach().contiguous(),
     }
     save_file(io, str(root / "io.safetensors"))
-    return root, out, ours[0], target
+    return root, outs, ours[0], target
 
 
-@pytest.mark.parametrize("peer", ["specforge"])
+EXPORT_FOR = {"specforge": "sglang", "speculators": "speculators"}
+"""The export each peer's class reads: SpecForge's DFlashDraftModel folder (what ``--to sglang`` and ``--to
+vllm`` write), speculators' DFlashSpeculator."""
+
+
+@pytest.mark.parametrize("peer", list(EXPORT_FOR))
 def test_the_peers_dflash_class_reads_our_export_and_gives_our_logits(exported, peer):
-    root, out, ours, target = exported
+    root, outs, ours, target = exported
+    out = outs[peer]
     python = peer_python(peer)
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore"}
     done = subprocess.run([str(python), str(WORKER), peer, str(out), str(root / "io.safetensors"),

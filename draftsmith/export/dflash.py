@@ -54,21 +54,115 @@ def vllm_config(config: dict, target_layers: int) -> dict:
     }
 
 
-def write_vllm(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
+def engine_tensors(ckpt: DraftCheckpoint) -> dict[str, torch.Tensor]:
+    """The draft's tensors as vLLM and speculators name them: draftsmith's names, float32, ``d2t`` as offsets
+    (target id = draft id + d2t[draft id]) and no ``t2d`` (both rebuild it)."""
     with safe_open(str(ckpt.draft_dir / "model.safetensors"), "pt") as f:
         state = {name: f.get_tensor(name).float().contiguous() for name in f.keys()}  # noqa: SIM118
     state.pop("t2d", None)
-    if "d2t" in state:  # absolute target ids -> vLLM's offsets (target id = draft id + d2t[draft id])
+    if "d2t" in state:
         d2t = state["d2t"].long()
         state["d2t"] = (d2t - torch.arange(d2t.numel())).contiguous()
-    config = vllm_config(ckpt.config, int(ckpt.target.get("num_hidden_layers", 0)))
-    config[SOURCE_KEY] = {"kind": ckpt.kind.name, "target": ckpt.target}
+    return state
 
+
+def write_folder(out: Path, config: dict, state: dict[str, torch.Tensor]) -> Path:
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(files.json_text(config))
 
     return files.replace_dir(out, write)
+
+
+def write_vllm(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
+    """vLLM's ``DFlashDraftModel`` folder; also SpecForge's (``export --to hf`` of its DFlash, which it points
+    SGLang users to), so ``--to sglang`` writes the same."""
+    config = vllm_config(ckpt.config, int(ckpt.target.get("num_hidden_layers", 0)))
+    config[SOURCE_KEY] = {"kind": ckpt.kind.name, "target": ckpt.target}
+    return write_folder(out, config, engine_tensors(ckpt))
+
+
+SPECULATORS_TYPE = "dflash"
+"""``speculators_model_type`` of a DFlash draft in speculators 0.9.0 (``DFlashSpeculatorConfig``)."""
+
+
+def speculators_config(config: dict, verifier: dict) -> dict:
+    """speculators 0.9.0's ``DFlashSpeculatorConfig`` for a draftsmith DFlash config: the decoder in
+    ``transformer_layer_config``, the taps as ``aux_hidden_state_layer_ids`` in vLLM's convention (input of
+    layer L = draftsmith's output of layer L - 1), the block and mask token top-level; what vLLM's
+    ``update_dflash`` turns into ``dflash_config`` when the speculator is served."""
+    layer = {key: value for key, value in vllm_config(config, 0).items()
+             if key not in ("architectures", "dflash_config", "num_target_layers", "block_size", "torch_dtype",
+                            "draft_vocab_size")}  # fmt: skip
+    block = int(config["block_size"])
+    return {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": SPECULATORS_TYPE,
+        "speculators_version": "0.9.0",
+        "speculators_config": {
+            "algorithm": SPECULATORS_TYPE,
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": block - 1,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],  # fmt: skip
+            "default_proposal_method": "greedy",
+            "verifier": verifier,
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": int(config.get("draft_vocab_size") or config["vocab_size"]),
+        "target_hidden_size": int(config["target"]["hidden_size"]),
+        "block_size": block,
+        "aux_hidden_state_layer_ids": [int(i) + 1 for i in config["capture_layer_ids"]],
+        "mask_token_id": int(config["mask_token_id"]),
+        "sample_from_anchor": False,
+        "sliding_window_non_causal": False,
+        "torch_dtype": "float32",
+    }
+
+
+def write_speculators(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
+    """The DFlash draft as a speculators ``DFlashSpeculator`` folder (vLLM serves the type as ``dflash``)."""
+    from draftsmith.export.speculators import verifier_record
+
+    config = speculators_config(ckpt.config, verifier_record(ckpt.target))
+    config[SOURCE_KEY] = {"kind": ckpt.kind.name, "target": ckpt.target}
+    return write_folder(out, config, engine_tensors(ckpt))
+
+
+def verify_dflash_speculators(folder: Path) -> list[str]:
+    """Problems a DFlash export has for speculators 0.9.0 and vLLM's reader of it (``configs/speculators/
+    algos.py`` ``update_dflash``): the fields it requires and the tensors of vLLM's DFlash model."""
+    config = read_export_config(folder)
+    problems = []
+    if config.get("speculators_model_type") != SPECULATORS_TYPE:
+        problems.append(
+            f"speculators_model_type must be 'dflash', got {config.get('speculators_model_type')!r}"
+        )
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    if not isinstance(methods[0].get("speculative_tokens"), int):
+        problems.append(
+            "speculators_config.proposal_methods[0].speculative_tokens missing (vLLM requires it)"
+        )
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        return problems + ["transformer_layer_config missing: the draft decoder is built from it"]
+    ids = config.get("aux_hidden_state_layer_ids")
+    if not isinstance(ids, list) or not ids or any(b <= a for a, b in zip(ids, ids[1:])) or min(ids) < 1:
+        problems.append(
+            f"aux_hidden_state_layer_ids {ids!r}: vLLM requires a strictly increasing list of ids >= 1"
+        )
+    if config.get("sample_from_anchor"):
+        problems.append("sample_from_anchor is true: the anchor is the committed token, never drafted")
+    # the rest is what vLLM's DFlash model is built from: the same checks as the vllm layout
+    flat = {**layer, "architectures": [DFLASH_ARCHITECTURE], "block_size": config.get("block_size"),
+            "draft_vocab_size": config.get("draft_vocab_size"),
+            "dflash_config": {"mask_token_id": config.get("mask_token_id"),
+                              "target_layer_ids": [i - 1 for i in ids or []]}}  # fmt: skip
+    return problems + check_dflash_config(flat, _read_tensors(folder))
 
 
 def expected_tensors(config: dict) -> dict[str, tuple[int, ...]]:
@@ -99,7 +193,11 @@ def expected_tensors(config: dict) -> dict[str, tuple[int, ...]]:
 
 def verify_dflash_vllm(folder: Path) -> list[str]:
     """Problems a DFlash export has for vLLM 0.32 (``qwen3_dflash.py``, ``v1/spec_decode/dflash.py``)."""
-    config = read_export_config(folder)
+    return check_dflash_config(read_export_config(folder), _read_tensors(folder))
+
+
+def check_dflash_config(config: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Problems of a ``DFlashDraftModel`` config.json (as a dict) and its tensors for vLLM 0.32's loader."""
     problems = [
         f"{key} missing from config.json" for key in CONFIG_INTS if not isinstance(config.get(key), int)
     ]
@@ -129,7 +227,7 @@ def verify_dflash_vllm(folder: Path) -> list[str]:
             f"layer_types {config.get('layer_types')!r}: every layer must be {FULL_ATTENTION} (non-causal)"
         )
     want = expected_tensors(config)
-    have = {name: tuple(t.shape) for name, t in _read_tensors(folder).items()}
+    have = {name: tuple(t.shape) for name, t in tensors.items()}
     problems += [
         f"missing {n} {list(s)} (vLLM would leave it uninitialised)" for n, s in want.items() if n not in have
     ]
@@ -139,7 +237,7 @@ def verify_dflash_vllm(folder: Path) -> list[str]:
                  if n not in want and n not in ("embed_tokens.weight", "lm_head.weight")]  # fmt: skip
     V, Vd = config.get("vocab_size", 0), config.get("draft_vocab_size", config.get("vocab_size", 0))
     if "d2t" in have and Vd < V:
-        d2t = _read_tensors(folder)["d2t"].long()
+        d2t = tensors["d2t"].long()
         ids = d2t + torch.arange(d2t.numel())
         if d2t.numel() and (int(ids.min()) < 0 or int(ids.max()) >= V or bool((ids[1:] <= ids[:-1]).any())):
             problems.append(

@@ -173,14 +173,18 @@ def reference_weights(weights: dict[str, torch.Tensor], config: dict, engine: st
     """draftsmith EagleHead tensors → reference EAGLE-3 tensors for ``engine``: names mapped, fc's
     columns in ascending layer order, ``d2t`` as offsets (or left out where the engine wants none)."""
     unknown = sorted(set(weights) - set(NAME_MAP))
-    missing = sorted(set(NAME_MAP) - set(weights) - ({"mask_hidden"} if config.get("mask_token_id") is None else set()))
+    missing = sorted(
+        set(NAME_MAP) - set(weights) - ({"mask_hidden"} if config.get("mask_token_id") is None else set())
+    )
     if unknown or missing:
         raise ValueError(
             f"the EAGLE head's weights do not match the one-layer EAGLE-3 layout: unknown {unknown}, missing {missing}"
         )
     out = {NAME_MAP[name]: tensor.contiguous() for name, tensor in weights.items()}
     _, out["fc.weight"] = ascending_capture(config["capture_layer_ids"], out["fc.weight"])
-    if "mask_hidden" in out:  # concatenated target states, like fc's input: blocks in the same order, [1, 1, n·H]
+    if (
+        "mask_hidden" in out
+    ):  # concatenated target states, like fc's input: blocks in the same order, [1, 1, n·H]
         _, mask = ascending_capture(config["capture_layer_ids"], out["mask_hidden"][None])
         out["mask_hidden"] = mask.view(1, 1, -1)
     d2t = weights["d2t"].long()

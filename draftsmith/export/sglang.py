@@ -1,17 +1,21 @@
 """The ``sglang`` engine's work: EAGLE-3 heads in the reference layout with SGLang's layer ids
-(``eagle.py``), distilled drafts as their transformers directory (SGLang's ``STANDALONE`` drafting)."""
+(``eagle.py``), distilled drafts as their transformers directory (SGLang's ``STANDALONE`` drafting), DFlash
+drafts as SpecForge's ``DFlashDraftModel`` folder (SpecForge 0.2.0's exporter sends SGLang users to that
+layout, its ``export --to hf``; vLLM's loader reads the same, so it is ``export/dflash.py``'s vLLM writer).
+SGLang itself does not run here: the layout is judged by SpecForge's own class (tests/test_dflash_peers.py)."""
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 from draftsmith.draft_checkpoint import DraftCheckpoint
 from draftsmith.drafts.engines import SGLANG
 from draftsmith.export import copy_export
+from draftsmith.export.dflash import DFLASH_ARCHITECTURE, verify_dflash_vllm
+from draftsmith.export.dflash import write_vllm as write_dflash
 from draftsmith.export.eagle import export_eagle
 from draftsmith.export.engines import CardContext, ExportOptions
-from draftsmith.export.verify import verify_reference_engine
+from draftsmith.export.verify import read_export_config, verify_reference_engine
 
 
 def write_eagle(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
@@ -20,6 +24,15 @@ def write_eagle(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Pat
 
 def usage(card: CardContext) -> list[str]:
     base, repo, k = card.base_model, card.repo_id, card.k
+    if card.kind.family.name == "dflash":  # not run here: no command draftsmith has not seen work
+        return [
+            "### SGLang",
+            "",
+            f"`draftsmith export {repo} --to sglang --out draft-sglang` writes SpecForge's `DFlashDraftModel` "
+            "folder, the layout SpecForge's exporter gives SGLang; serve it as SGLang's DFlash documentation says "
+            f"(a block drafts {int(card.config.get('block_size', 2)) - 1} tokens).",
+            "",
+        ]
     if card.kind.family.name == "causal_lm":
         algorithm, draft, export, note = "STANDALONE", repo, [], []
     else:
@@ -44,5 +57,13 @@ def usage(card: CardContext) -> list[str]:
     ]
 
 
-SGLANG.writers.update({"eagle": write_eagle, "causal_lm": copy_export})
-SGLANG.verify, SGLANG.usage = partial(verify_reference_engine, engine=SGLANG), usage
+def verify(folder: Path) -> tuple[str, list[str]]:
+    """A DFlash draft by vLLM's checks (the same ``DFlashDraftModel`` folder), anything else as the reference
+    engines' exports."""
+    if read_export_config(folder).get("architectures") == [DFLASH_ARCHITECTURE]:
+        return "DFlash draft", verify_dflash_vllm(folder)
+    return verify_reference_engine(folder, SGLANG)
+
+
+SGLANG.writers.update({"eagle": write_eagle, "causal_lm": copy_export, "dflash": write_dflash})
+SGLANG.verify, SGLANG.usage = verify, usage

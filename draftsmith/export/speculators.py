@@ -1,5 +1,5 @@
 """EAGLE-3 and P-EAGLE heads in the speculators format (``Eagle3Speculator``, ``PEagleSpeculator``), the
-layout vLLM's docs point to.
+layout vLLM's docs point to; DFlash drafts as ``DFlashSpeculator`` (``export/dflash.py``).
 
 vLLM reads it through ``vllm/transformers_utils/configs/speculators`` (docs/EXPORT.md gives the
 version and what it reads): the decoder shape comes from ``transformer_layer_config``, and
@@ -19,6 +19,9 @@ import torch
 
 from draftsmith.draft_checkpoint import DraftCheckpoint
 from draftsmith.drafts.engines import SPECULATORS
+from draftsmith.export.dflash import SPECULATORS_TYPE as DFLASH_TYPE
+from draftsmith.export.dflash import verify_dflash_speculators
+from draftsmith.export.dflash import write_speculators as write_dflash_speculators
 from draftsmith.export.eagle import (
     SOURCE_KEY,
     check_exportable,
@@ -113,8 +116,12 @@ def write_speculators(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) 
 
 
 def verify(folder: Path) -> tuple[str, list[str]]:
-    read_export_config(folder)
-    return "EAGLE-3 head (speculators format)", verify_speculators(folder)
+    """A DFlash draft by its own checks (``export/dflash.py``), anything else as an EAGLE-3 head."""
+    config = read_export_config(folder)
+    if config.get("speculators_model_type") == DFLASH_TYPE:
+        return "DFlash draft (speculators format)", verify_dflash_speculators(folder)
+    what = "P-EAGLE head" if config.get("mask_token_id") is not None else "EAGLE-3 head"
+    return f"{what} (speculators format)", verify_speculators(folder)
 
 
 def usage(card: CardContext) -> list[str]:
@@ -124,5 +131,5 @@ def usage(card: CardContext) -> list[str]:
     ]
 
 
-SPECULATORS.writers["eagle"] = write_speculators
+SPECULATORS.writers.update({"eagle": write_speculators, "dflash": write_dflash_speculators})
 SPECULATORS.verify, SPECULATORS.usage = verify, usage
