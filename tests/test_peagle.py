@@ -300,3 +300,24 @@ def test_the_verifiers_refuse_a_parallel_head_vllm_would_run_wrong(
     save_file(tensors, out / "model.safetensors")
     with pytest.raises(ExportVerificationError, match=problem):
         verify_export(out, engine)
+
+
+@pytest.mark.slow
+def test_greedy_output_equals_the_real_targets(tmp_path):
+    """A P-EAGLE head for the bundled target, trained for a minute on its own answers, decodes them to the
+    target's own tokens with parallel drafts accepted (tests/test_vllm.py serves such a head in vLLM)."""
+    from test_dflash import self_trained
+
+    from draftsmith.decode.target import load_target
+
+    target = load_target("smollm2-135m-instruct", device="cpu", dtype="float32")
+    prompts = self_trained(
+        "peagle", target, tmp_path / "draft", parallel_depths=DEPTHS, draft_vocab_size=8192
+    )
+    drafter = build_drafter(str(tmp_path / "draft"), target)
+    deep = 0
+    for prompt in prompts:
+        result = generate(target, prompt, drafter, DEPTHS, 48)
+        assert result.tokens == generate(target, prompt, None, max_new_tokens=48).tokens
+        deep += sum(a > 1 for a in result.accepted)
+    assert deep > 0  # slots, not only the real pair, were accepted

@@ -270,3 +270,30 @@ print("ok")
     assert "ok" in run_in_peer("specforge", code)
     cmd = peer_training.train_command("specforge", tmp_path, {"draft": "dflash"})
     assert cmd[-2:] == ["--draft", "dflash"] and cmd[1].endswith("specforge_run.py")
+
+
+def test_the_stand_in_capture_is_what_draftsmith_trains_on():
+    """The capture the peers train on (``peer_inputs.capture``) against draftsmith's own teacher on a tiny
+    target: the tapped layers' outputs at the same positions, and the last layer's output in both conventions
+    the peers read it in: before the final norm (draftsmith's; speculators' ``verifier_last_hidden_states``,
+    which its trainers put through ``verifier_norm`` and then the LM head) and after it (transformers' last
+    hidden state; SpecForge's ``hidden_state``, which its trainer puts through the LM head alone). Either way
+    the peer scores with the target's own logits, the ones draftsmith's teacher keeps the top-k of."""
+    from tiny import tiny_target
+
+    from draftsmith.train.objective import Batch
+    from draftsmith.train.teacher import compute_teacher
+
+    target = tiny_target("llama", layers=6)
+    ids = torch.randint(0, 256, (1, 17), generator=torch.Generator().manual_seed(0))
+    layers = [1, 2, 4]
+    aux, last, normed = peer_inputs.capture(target.model, ids[0].tolist(), layers)
+    teacher = compute_teacher(target, Batch(ids, torch.ones_like(ids), torch.ones_like(ids)), [*layers, 5], 4)
+    torch.testing.assert_close(aux, torch.cat([teacher.features[i][0] for i in layers], -1), rtol=0, atol=0)
+    torch.testing.assert_close(last, teacher.features[5][0], rtol=0, atol=0)
+    with torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+    torch.testing.assert_close(normed, out.hidden_states[-1][0], rtol=0, atol=0)
+    torch.testing.assert_close(normed, target.model.model.norm(last), rtol=0, atol=0)
+    logits = target.model.lm_head(normed).float()  # what the peers score their targets with
+    torch.testing.assert_close(logits.topk(4).values, teacher.topk_logits[0], rtol=1e-6, atol=1e-6)
