@@ -394,13 +394,13 @@ class EagleHead(PreTrainedModel):
         )
         if position_ids is None:
             positions = (real.long().cumsum(-1) - 1).clamp_min(0)
-            same_row = None
+            segments = same_row = None
         else:
             positions = position_ids.to(device)
             segments = packed_segments(positions)
             same_row = segments[:, :, None] == segments[:, None, :]  # [B, T, T]
         if slots is not None:
-            segments = packed_segments(positions) if position_ids is not None else torch.zeros_like(positions)
+            segments = torch.zeros_like(positions) if segments is None else segments
             return self._parallel(input_ids, features, real, positions, segments, slots, logit_masks)
         eye = torch.eye(T, dtype=torch.bool, device=device)
         cache = DynamicCache()
