@@ -22,7 +22,7 @@ from draftsmith.decode.sampling import Sampling, sample, to_probs
 from draftsmith.drafts.base import DRAFT_KIND_KEY, PEAGLE, DraftKind, register
 from draftsmith.drafts.eagle import EAGLE, EagleHead, load_head
 from draftsmith.drafts.eagle_drafter import EagleDrafter
-from draftsmith.drafts.engines import HF, SPECULATORS, VLLM
+from draftsmith.drafts.engines import HF, SGLANG, SPECULATORS, VLLM
 
 
 def check_parallel(head: EagleHead) -> None:
@@ -72,8 +72,6 @@ def _build(target, path: str) -> Drafter:
     return ParallelEagleDrafter(head, name=f"{PEAGLE}:{Path(path).name}")
 
 
-register(DraftKind(PEAGLE, "P-EAGLE head", _build, EAGLE, exports=(HF, VLLM, SPECULATORS), refusal=(
-    "vLLM 0.32 serves P-EAGLE heads (--to vllm with \"parallel_drafting\": true, or --to speculators, whose "
-    "peagle type sets it); the SGLang and llama.cpp EAGLE-3 layouts draftsmith writes are drafted one token per "
-    "forward, which would run the head as a chain head it was not trained to be, and draftsmith has not checked "
-    "a parallel-drafting loader of either")))  # fmt: skip
+register(DraftKind(PEAGLE, "P-EAGLE head", _build, EAGLE, exports=(HF, VLLM, SPECULATORS, SGLANG), refusal=(
+    "llama.cpp 0.3.36's eagle3 graph drafts one token per forward, which would run the head as the chain head it "
+    "was not trained to be; export it --to vllm, speculators or sglang")))  # fmt: skip

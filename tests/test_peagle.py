@@ -240,7 +240,12 @@ def peagle_run(tmp_path_factory):
         "peagle", target, {"draft_vocab_size": 100, "capture_layer_ids": [4, 1, 6]}, counts
     )
     run = tmp_path_factory.mktemp("peagle")
-    objective.save(objective.build_draft().eval(), run / "draft")
+    head = objective.build_draft().eval()
+    with torch.no_grad():  # norms off one, so a mapping slip between two of them shows
+        for name, param in head.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+    objective.save(head, run / "draft")
     return target, run
 
 
@@ -268,9 +273,8 @@ def test_exports_to_vllm_and_speculators_with_mask_hidden_and_other_engines_refu
     assert config["speculators_model_type"] == "peagle" and config["architectures"] == ["PEagleSpeculator"]
     assert config["mask_token_id"] == 256
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 8
-    for engine in ("sglang", "gguf"):
-        assert main(["export", str(run), "--to", engine, "--out", str(tmp_path / engine)]) == 2
-        assert "would run the head as a chain head" in capsys.readouterr().err
+    assert main(["export", str(run), "--to", "gguf", "--out", str(tmp_path / "p.gguf")]) == 2
+    assert "would run the head as the chain head" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -321,3 +325,42 @@ def test_greedy_output_equals_the_real_targets(tmp_path):
         assert result.tokens == generate(target, prompt, None, max_new_tokens=48).tokens
         deep += sum(a > 1 for a in result.accepted)
     assert deep > 0  # slots, not only the real pair, were accepted
+
+
+def test_specforges_peagle_class_reads_our_sglang_export_and_gives_our_logits(peagle_run, tmp_path):
+    """SpecForge 0.2.0's own PEagleDraftModel (the folder its exporter gives SGLang) loads ``--to sglang`` strictly
+    and, run causally over the real pairs and three mask slots, gives draftsmith's drafter's logits (1e-5)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from test_peer_heads import peer_python
+
+    from draftsmith.draft_checkpoint import locate_checkpoint
+    from draftsmith.export import export_checkpoint, verify_export
+
+    python = peer_python("specforge")
+    target, run = peagle_run
+    out = export_checkpoint(locate_checkpoint(str(run)), "sglang", tmp_path / "sglang")
+    assert verify_export(out, "sglang")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["PEagleDraftModel"]
+    head = build_drafter(str(run), target).head
+    T, n = 11, 4
+    ids = torch.randint(0, 256, (1, T), generator=torch.Generator().manual_seed(5))
+    teacher = make_teacher(
+        target, Batch(ids, torch.ones_like(ids), torch.ones_like(ids)), head.config.capture_layer_ids, 4
+    )
+    ours = training_logits(head, Batch(ids, torch.ones_like(ids), torch.ones_like(ids)), teacher, T - 2, n)
+    ascending = sorted(head.config.capture_layer_ids)
+    io = {"context": torch.cat([teacher.features[i][:, : T - 1] for i in ascending], -1).contiguous(),
+          "ids": ids[:, 1:].contiguous(), "slots": torch.tensor(n - 1)}  # fmt: skip
+    save_file(io, str(tmp_path / "io.safetensors"))
+    worker = Path(__file__).with_name("peer_peagle_worker.py")
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([str(python), str(worker), str(out), str(tmp_path / "io.safetensors"),
+                           str(tmp_path / "out.safetensors")], capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, f"SpecForge worker failed:\n{done.stderr[-3000:]}"
+    torch.testing.assert_close(
+        load_file(str(tmp_path / "out.safetensors"))["logits"], ours, rtol=1e-5, atol=1e-5
+    )

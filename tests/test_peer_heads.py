@@ -30,8 +30,8 @@ from draftsmith.drafts.eagle import EagleConfig, EagleHead
 from draftsmith.drafts.eagle_import import HeadImportError, import_head
 from draftsmith.drafts.eagle_parts import build_vocab_map
 from draftsmith.export import export_checkpoint
-from draftsmith.export.eagle import reference_weights
-from draftsmith.export.speculators import speculators_config, speculators_weights
+from draftsmith.export.eagle import layer_names, reference_weights
+from draftsmith.export.speculators import speculators_config
 from draftsmith.export.verify import verify_export
 
 DRAFT_VOCAB = 120  # < the tiny BPE vocabulary of 300: every layout's d2t is exercised
@@ -149,7 +149,7 @@ def speculators_layout(head: EagleHead, folder: Path) -> Path:
     for key in ("norm_before_residual", "norm_before_fc", "norm_output"):
         config[key] = bool(cfg.get(key))
     config.pop("draftsmith_source")
-    tensors = speculators_weights(reference_weights(state, cfg, "speculators"))
+    tensors = layer_names(reference_weights(state, cfg, "speculators"))
     if fuse_norm is not None:
         tensors["input_norm.weight"] = fuse_norm
     return write_layout(folder, config, tensors)

@@ -200,6 +200,15 @@ def reference_weights(weights: dict[str, torch.Tensor], config: dict, engine: st
     return out
 
 
+def layer_names(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Reference EAGLE-3 tensors (``midlayer.*``) under the decoder-list names speculators and SpecForge's P-EAGLE
+    class use (``layers.0.*``)."""
+    return {
+        ("layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name): tensor
+        for name, tensor in reference.items()
+    }
+
+
 def decoder_fields(config: dict) -> dict:
     """The head's one Llama decoder layer as the engines' config readers want it (no default left to guess)."""
     return {

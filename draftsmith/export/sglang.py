@@ -2,7 +2,9 @@
 (``eagle.py``), distilled drafts as their transformers directory (SGLang's ``STANDALONE`` drafting), DFlash
 drafts as SpecForge's ``DFlashDraftModel`` folder (SpecForge 0.2.0's exporter sends SGLang users to that
 layout, its ``export --to hf``; vLLM's loader reads the same, so it is ``export/dflash.py``'s vLLM writer).
-SGLang itself does not run here: the layout is judged by SpecForge's own class (tests/test_dflash_peers.py)."""
+P-EAGLE heads go as SpecForge's ``PEagleDraftModel`` folder, which the same exporter sends to SGLang. SGLang
+itself does not run here: both layouts are judged by SpecForge's own classes (tests/test_dflash_peers.py,
+tests/test_peagle.py)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,33 @@ from draftsmith.drafts.engines import SGLANG
 from draftsmith.export import copy_export
 from draftsmith.export.dflash import DFLASH_ARCHITECTURE, verify_dflash_vllm
 from draftsmith.export.dflash import write_vllm as write_dflash
-from draftsmith.export.eagle import export_eagle
+from draftsmith.export.eagle import (
+    check_exportable,
+    export_eagle,
+    layer_names,
+    read_weights,
+    reference_config,
+    reference_weights,
+    write_folder,
+)
 from draftsmith.export.engines import CardContext, ExportOptions
-from draftsmith.export.verify import read_export_config, verify_reference_engine
+from draftsmith.export.verify import read_export_config, verify_peagle_sglang, verify_reference_engine
+
+PEAGLE_ARCHITECTURE = "PEagleDraftModel"
+"""SpecForge 0.2.0's P-EAGLE class (``modeling/draft/peagle.py``), whose folder its exporter gives SGLang."""
 
 
 def write_eagle(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
-    return export_eagle(ckpt, out, SGLANG.name)
+    """An EAGLE-3 head in the reference layout; a P-EAGLE head as SpecForge's ``PEagleDraftModel`` folder: the
+    reference config (SGLang's layer ids, ``mask_token_id``) with that architecture, the one decoder layer as
+    ``layers.0.*`` (SpecForge's names, speculators' too), the token embedding and ``mask_hidden``."""
+    if ckpt.config.get("mask_token_id") is None:
+        return export_eagle(ckpt, out, SGLANG.name)
+    check_exportable(ckpt.config, SGLANG.name)
+    weights = reference_weights(read_weights(ckpt.draft_dir), ckpt.config, SGLANG.name)
+    config = reference_config(ckpt.config, SGLANG.name, weights["fc.weight"].dtype)
+    config |= {"architectures": [PEAGLE_ARCHITECTURE], "norm_before_residual": False}
+    return write_folder(out, config, layer_names(weights))
 
 
 def usage(card: CardContext) -> list[str]:
@@ -60,8 +82,11 @@ def usage(card: CardContext) -> list[str]:
 def verify(folder: Path) -> tuple[str, list[str]]:
     """A DFlash draft by vLLM's checks (the same ``DFlashDraftModel`` folder), anything else as the reference
     engines' exports."""
-    if read_export_config(folder).get("architectures") == [DFLASH_ARCHITECTURE]:
+    architectures = read_export_config(folder).get("architectures")
+    if architectures == [DFLASH_ARCHITECTURE]:
         return "DFlash draft", verify_dflash_vllm(folder)
+    if architectures == [PEAGLE_ARCHITECTURE]:
+        return "P-EAGLE head", verify_peagle_sglang(folder)
     return verify_reference_engine(folder, SGLANG)
 
 

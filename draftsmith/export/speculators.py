@@ -27,6 +27,7 @@ from draftsmith.export.eagle import (
     check_exportable,
     decoder_fields,
     engine_layer_ids,
+    layer_names,
     read_weights,
     reference_weights,
     source_record,
@@ -98,21 +99,13 @@ def speculators_config(config: dict, dtype: torch.dtype, source: dict) -> dict:
     }
 
 
-def speculators_weights(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Reference EAGLE-3 tensors (``midlayer.*``) under speculators' names (``layers.0.*``)."""
-    return {
-        ("layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name): tensor
-        for name, tensor in reference.items()
-    }
-
-
 def write_speculators(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
     """The EAGLE head ``ckpt`` as an ``Eagle3Speculator`` folder."""
     check_exportable(ckpt.config, SPECULATORS.name)
     weights = reference_weights(read_weights(ckpt.draft_dir), ckpt.config, SPECULATORS.name)
     source = source_record(ckpt.config, SPECULATORS.name)
     config = speculators_config(ckpt.config, weights["fc.weight"].dtype, source)
-    return write_folder(out, config, speculators_weights(weights))
+    return write_folder(out, config, layer_names(weights))
 
 
 def verify(folder: Path) -> tuple[str, list[str]]:
