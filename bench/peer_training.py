@@ -464,8 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     work = args.work.resolve()
     record = json.loads(args.out.read_text()) if args.out.exists() else {}
+    from draftsmith.eval.report import provenance
+
     record.update({"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "target": TARGET,
-                   "data": list(QUICKSTART_DATA), "work": str(work)})  # fmt: skip
+                   "data": list(QUICKSTART_DATA), "work": str(work), "provenance": provenance()})  # fmt: skip
 
     def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
