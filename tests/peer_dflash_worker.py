@@ -38,8 +38,7 @@ def specforge_hidden(export: str, io: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def speculators_hidden(export: str, io: dict[str, torch.Tensor]) -> torch.Tensor:
     """speculators' DFlashDraftModel from draftsmith's ``--to speculators`` folder (strictly: nothing missing or
-    unexpected), the target's embedding table installed, and its own anchored-block forward with one anchor
-    at C (as ``speculators_saved``)."""
+    unexpected), the target's embedding table installed, and its own anchored-block forward."""
     from speculators.models.dflash import DFlashDraftModel
 
     model, info = DFlashDraftModel.from_pretrained(export, dtype=torch.float32, output_loading_info=True)
@@ -47,8 +46,14 @@ def speculators_hidden(export: str, io: dict[str, torch.Tensor]) -> torch.Tensor
     if loose or info.get("error_msgs"):
         raise ValueError(f"speculators did not load {export} as saved: {loose} {info.get('error_msgs')}")
     model.eval().embed_tokens.weight.copy_(io["embed_tokens"])
-    C, Q, H = io["context"].shape[1], model.config.block_size, io["embed_tokens"].shape[1]
-    S = C + 2 * Q
+    return speculators_block(model, io, model.config.block_size, io["embed_tokens"].shape[1])
+
+
+def speculators_block(model, io: dict[str, torch.Tensor], Q: int, H: int) -> torch.Tensor:
+    """speculators' own anchored-block forward (``_backbone_forward``) with one anchor at C, the only position its
+    anchor rule can pick, so the block sees exactly the C context positions."""
+    C = io["context"].shape[1]
+    S = C + 2 * Q  # never seen by the block; its anchor rule leaves the last Q positions out
     ids = torch.zeros(1, S, dtype=torch.long)
     ids[0, C] = int(io["anchor"])
     loss_mask = torch.zeros(1, S, dtype=torch.long)
@@ -110,8 +115,7 @@ def specforge_saved(target_dir: str, head: str, io: dict, s: dict) -> torch.Tens
 
 def speculators_saved(target_dir: str, head: str, io: dict, s: dict) -> torch.Tensor:
     """speculators' DFlashDraftModel (``from_training_args``, as its trainer builds it), saved with its
-    ``save_pretrained``; its own anchored-block forward (``_backbone_forward``) with one anchor at C, the
-    only position its anchor rule can pick, so the block sees exactly the C context positions."""
+    ``save_pretrained``, and its own anchored-block forward."""
     from speculators.models.dflash import DFlashDraftModel
 
     config, _ = qwen3_config(target_dir, s)
@@ -124,18 +128,7 @@ def speculators_saved(target_dir: str, head: str, io: dict, s: dict) -> torch.Te
     ).eval()  # fmt: skip
     randomize(model, s["seed"])
     model.save_pretrained(head)
-    C, Q = io["context"].shape[1], s["block_size"]
-    S = C + 2 * Q  # never seen by the block; its anchor rule leaves the last Q positions out
-    ids = torch.zeros(1, S, dtype=torch.long)
-    ids[0, C] = int(io["anchor"])
-    loss_mask = torch.zeros(1, S, dtype=torch.long)
-    loss_mask[0, C] = 1
-    context = torch.cat([io["context"], torch.zeros(1, S - C, io["context"].shape[-1])], dim=1)
-    hidden, *_ = model._backbone_forward(
-        context, ids, loss_mask, torch.randn(1, S, config.hidden_size), torch.zeros(1, S, dtype=torch.long),
-        torch.arange(S)[None], max_anchors=1,
-    )  # fmt: skip
-    return hidden
+    return speculators_block(model, io, s["block_size"], config.hidden_size)
 
 
 SAVERS = {"specforge": specforge_saved, "speculators": speculators_saved}

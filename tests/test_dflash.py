@@ -357,6 +357,25 @@ def test_exports_to_the_speculators_format_and_reads_back_as_the_same_draft(tmp_
     torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
 
 
+def broken_export(run, engine: str, out, break_it):
+    """``run`` exported ``--to engine`` under ``out``, its config.json and tensors edited by ``break_it(config,
+    tensors)`` and written back: what a verifier must refuse."""
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.draft_checkpoint import locate_checkpoint
+    from draftsmith.export import export_checkpoint
+
+    folder = export_checkpoint(locate_checkpoint(str(run)), engine, out)
+    config, tensors = (
+        json.loads((folder / "config.json").read_text()),
+        load_file(folder / "model.safetensors"),
+    )
+    break_it(config, tensors)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
 @pytest.mark.parametrize(
     ("break_it", "problem"),
     [
@@ -367,18 +386,9 @@ def test_exports_to_the_speculators_format_and_reads_back_as_the_same_draft(tmp_
     ],
 )
 def test_the_speculators_verifier_refuses_what_vllm_would_misread(dflash_run, tmp_path, break_it, problem):
-    from safetensors.torch import load_file, save_file
-
-    from draftsmith.draft_checkpoint import locate_checkpoint
-    from draftsmith.export import export_checkpoint
     from draftsmith.export.verify import ExportVerificationError, verify_export
 
-    _, run = dflash_run
-    out = export_checkpoint(locate_checkpoint(str(run)), "speculators", tmp_path / "spec")
-    config, tensors = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
-    break_it(config, tensors)
-    (out / "config.json").write_text(json.dumps(config))
-    save_file(tensors, out / "model.safetensors")
+    out = broken_export(dflash_run[1], "speculators", tmp_path / "spec", break_it)
     with pytest.raises(ExportVerificationError, match=problem):
         verify_export(out, "speculators")
 
@@ -397,18 +407,9 @@ def test_the_speculators_verifier_refuses_what_vllm_would_misread(dflash_run, tm
 )
 def test_the_vllm_verifier_refuses_what_vllm_would_guess_or_leave_uninitialised(dflash_run, tmp_path, break_it,
                                                                                 problem):  # fmt: skip
-    from safetensors.torch import load_file, save_file
-
-    from draftsmith.draft_checkpoint import locate_checkpoint
-    from draftsmith.export import export_checkpoint
     from draftsmith.export.verify import ExportVerificationError, verify_export
 
-    _, run = dflash_run
-    out = export_checkpoint(locate_checkpoint(str(run)), "vllm", tmp_path / "vllm")
-    config, tensors = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
-    break_it(config, tensors)
-    (out / "config.json").write_text(json.dumps(config))
-    save_file(tensors, out / "model.safetensors")
+    out = broken_export(dflash_run[1], "vllm", tmp_path / "vllm", break_it)
     with pytest.raises(ExportVerificationError, match=problem):
         verify_export(out, "vllm")
 

@@ -290,18 +290,11 @@ def test_exports_to_vllm_and_speculators_with_mask_hidden_and_other_engines_refu
 def test_the_verifiers_refuse_a_parallel_head_vllm_would_run_wrong(
     peagle_run, tmp_path, engine, break_it, problem
 ):
-    from safetensors.torch import load_file, save_file
+    from test_dflash import broken_export
 
-    from draftsmith.draft_checkpoint import locate_checkpoint
-    from draftsmith.export import export_checkpoint
     from draftsmith.export.verify import ExportVerificationError, verify_export
 
-    _, run = peagle_run
-    out = export_checkpoint(locate_checkpoint(str(run)), engine, tmp_path / engine)
-    config, tensors = json.loads((out / "config.json").read_text()), load_file(out / "model.safetensors")
-    break_it(config, tensors)
-    (out / "config.json").write_text(json.dumps(config))
-    save_file(tensors, out / "model.safetensors")
+    out = broken_export(peagle_run[1], engine, tmp_path / engine, break_it)
     with pytest.raises(ExportVerificationError, match=problem):
         verify_export(out, engine)
 
