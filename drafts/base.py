@@ -17,7 +17,6 @@ the one check, shared by every kind, that a draft meets that target.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from draftsmith import files
 from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.features import LAYER_ID_CONVENTION
 from draftsmith.drafts.engines import Engine
+from draftsmith.spelling import closest
 
 if TYPE_CHECKING:
     from draftsmith.decode.target import Target
@@ -216,8 +216,8 @@ def draft_kind(name: str) -> DraftKind:
     if name not in _KINDS and name in KIND_MODULES:
         importlib.import_module(KIND_MODULES[name])
     if name not in _KINDS:
-        close = difflib.get_close_matches(name, kind_names(), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        close = closest(name, kind_names())
+        hint = f" Did you mean {close!r}?" if close else ""
         raise ValueError(f"unknown draft kind {name!r}.{hint} Known kinds: {', '.join(kind_names())}")
     return _KINDS[name]
 

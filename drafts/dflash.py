@@ -280,7 +280,7 @@ class DFlashDraft(PreTrainedModel):
     """The DFlash draft's own weights; the token embedding and LM head are the target's, passed in."""
 
     config_class = DFlashConfig
-    base_model_prefix = "dflash"
+    base_model_prefix = DFLASH
 
     def __init__(self, config: DFlashConfig):
         super().__init__(config)

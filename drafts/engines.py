@@ -14,10 +14,11 @@ in its own module) and its writer module; help, dispatch, verification and the c
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from draftsmith.spelling import closest
 
 Writer = Callable[..., Path]
 """``(checkpoint, out, options) -> the folder or file written`` (``draftsmith.export.ExportOptions``)."""
@@ -88,8 +89,8 @@ def engine_named(name: str) -> Engine:
     """The record of the engine ``--to name`` names; an error naming the closest one otherwise."""
     names = [e.name for e in export_engines()]
     if name not in names:
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        close = closest(name, names)
+        hint = f" Did you mean {close!r}?" if close else ""
         raise ValueError(f"unknown engine {name!r}.{hint} Choose one of {', '.join(names)}")
     return _ENGINES[name]
 

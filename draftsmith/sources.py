@@ -8,11 +8,12 @@ job (``train/corpus/conversations.py``); this module imports nothing but the sta
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl
+
+from draftsmith.spelling import closest
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "data"
 """The shipped data (package data: present in a wheel too); its README gives sources and licenses."""
@@ -63,8 +64,8 @@ def builtin_path(name: str) -> Path:
     """The file of a built-in name (with or without the ``builtin:`` prefix); a did-you-mean error else."""
     name = name.removeprefix(BUILTIN_PREFIX)
     if name not in BUILTIN:
-        close = difflib.get_close_matches(name, BUILTIN, n=1)
-        hint = f"did you mean builtin:{close[0]}? " if close else ""
+        close = closest(name, BUILTIN)
+        hint = f"did you mean builtin:{close}? " if close else ""
         raise DataSourceError(
             f"builtin:{name} is not a built-in data set; {hint}the built-in ones are "
             + ", ".join(f"builtin:{n}" for n in BUILTIN)

@@ -29,6 +29,7 @@ LAYERS = [
             "draftsmith.openai_client",
             "draftsmith.servers",
             "draftsmith.sources",
+            "draftsmith.spelling",
             "draftsmith.vllm",
         ),
     ),

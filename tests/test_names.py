@@ -14,7 +14,8 @@ from draftsmith.drafts import base
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = ("decode", "drafts", "train", "eval", "draftsmith")
-KINDS = {base.EAGLE1, base.EAGLE3, base.DISTILL, base.MEDUSA, base.PEER_EAGLE3, base.NGRAM}
+KINDS = {base.EAGLE1, base.EAGLE3, base.DISTILL, base.MEDUSA, base.PEER_EAGLE3, base.NGRAM, base.DFLASH, base.PEAGLE,
+         base.PEER_DFLASH}  # fmt: skip
 OTHER_MEANINGS = {
     ("draftsmith/export/speculators.py", "eagle3"): "speculators' algorithm name",
     ("draftsmith/export/verify.py", "eagle3"): "speculators' algorithm name, read by its loader",
@@ -24,6 +25,11 @@ OTHER_MEANINGS = {
     ("draftsmith/llamacpp.py", "ngram"): "llama.cpp's ngram spec type",
     ("drafts/medusa.py", "medusa"): "transformers' base_model_prefix",
     ("draftsmith/export/vllm.py", "medusa"): "the family, and vLLM's model_type and method name",
+    ("drafts/dflash_import.py", "dflash"): "speculators' model type of a DFlash draft it wrote",
+    ("draftsmith/export/speculators.py", "dflash"): "speculators' model type, read by vLLM's update_dflash",
+    ("draftsmith/export/gguf_verify.py", "dflash"): "llama.cpp's architecture name",
+    ("draftsmith/llamacpp.py", "dflash"): "llama.cpp's --spec-type draft-dflash",
+    ("draftsmith/export/verify.py", "peagle"): "speculators' algorithm name of a P-EAGLE head, read by vLLM",
 }
 """(file, word) -> what the word names there, where it is not draftsmith's kind."""
 

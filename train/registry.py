@@ -11,7 +11,6 @@ with the closest valid one, type, range, choice), their defaults and their ``tra
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
 import inspect
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from draftsmith.drafts.base import (
     draft_kind,
     kind_names,
 )
+from draftsmith.spelling import closest
 
 if TYPE_CHECKING:
     import torch
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 
 def unknown_key(key: str, valid: list[str], where: str) -> ValueError:
     """A ValueError naming an unknown key, the closest valid one and all valid ones."""
-    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
+    close = closest(key.rsplit(".", 1)[-1], valid)
+    hint = f" Did you mean {close!r}?" if close else ""
     return ValueError(f"unknown key {key!r} in {where}.{hint} Valid keys: {', '.join(valid)}")
 
 

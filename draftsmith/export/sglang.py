@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.draft_checkpoint import DraftCheckpoint
+from draftsmith.drafts.base import DFLASH
 from draftsmith.drafts.engines import SGLANG
 from draftsmith.export import copy_export
 from draftsmith.export.dflash import DFLASH_ARCHITECTURE, verify_dflash_vllm
@@ -46,7 +47,7 @@ def write_eagle(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Pat
 
 def usage(card: CardContext) -> list[str]:
     base, repo, k = card.base_model, card.repo_id, card.k
-    if card.kind.family.name == "dflash":  # not run here: no command draftsmith has not seen work
+    if card.kind.family.name == DFLASH:  # not run here: no command draftsmith has not seen work
         return [
             "### SGLang",
             "",
@@ -90,5 +91,5 @@ def verify(folder: Path) -> tuple[str, list[str]]:
     return verify_reference_engine(folder, SGLANG)
 
 
-SGLANG.writers.update({"eagle": write_eagle, "causal_lm": copy_export, "dflash": write_dflash})
+SGLANG.writers.update({"eagle": write_eagle, "causal_lm": copy_export, DFLASH: write_dflash})
 SGLANG.verify, SGLANG.usage = verify, usage

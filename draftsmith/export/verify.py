@@ -43,6 +43,8 @@ DECODER_INTS = (
 HEAD_INTS = ("target_hidden_size", "draft_vocab_size")
 SPECULATORS_ALGORITHM = "eagle3"
 """``speculators_model_type`` of an EAGLE-3 head in speculators' own config (vLLM reads it)."""
+SPECULATORS_PARALLEL_ALGORITHM = "peagle"
+"""The same of a P-EAGLE head (speculators' ``PEagleSpeculatorConfig``; vLLM maps it to parallel EAGLE-3)."""
 
 # Causal-LM architectures both engines register as draft models (vLLM models/registry.py
 # _TEXT_GENERATION_MODELS, SGLang models/*.py EntryClass), for the tiny families draftsmith tests.
@@ -258,10 +260,11 @@ def verify_speculators(folder: Path) -> list[str]:
     """Problems an ``Eagle3Speculator`` export has for vLLM's speculators reader (configs/speculators)."""
     config = files.read_json(folder / "config.json", EXPORT_FIX)
     problems: list[str] = []
-    algorithm = SPECULATORS_ALGORITHM if config.get("mask_token_id") is None else "peagle"
+    parallel = config.get("mask_token_id") is not None
+    algorithm = SPECULATORS_PARALLEL_ALGORITHM if parallel else SPECULATORS_ALGORITHM
     if config.get("speculators_model_type") != algorithm:
         problems.append(
-            f"speculators_model_type must be {algorithm!r} (a head with{'out' * (algorithm != 'peagle')} "
+            f"speculators_model_type must be {algorithm!r} (a head with{'' if parallel else 'out'} "
             f"mask_token_id), got {config.get('speculators_model_type')!r}"
         )
     spec = config.get("speculators_config") or {}

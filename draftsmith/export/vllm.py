@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint
+from draftsmith.drafts.base import DFLASH
 from draftsmith.drafts.engines import VLLM
 from draftsmith.export import copy_export
 from draftsmith.export.dflash import DFLASH_ARCHITECTURE, verify_dflash_vllm
@@ -81,7 +82,7 @@ def usage(card: CardContext) -> list[str]:
         config, model = '"method": "medusa"', '"model": "draft-vllm"'
         k = card.config.get("num_heads", k)  # vLLM's Medusa drafts one token per head
         export = [f"draftsmith export {repo} --to vllm --out draft-vllm"]
-    elif card.kind.family.name == "dflash":
+    elif card.kind.family.name == DFLASH:
         config, model = '"method": "dflash"', '"model": "draft-vllm"'
         k = card.config.get("block_size", k + 1) - 1  # one block: the last token and block_size - 1 drafts
         export = [f"draftsmith export {repo} --to vllm --out draft-vllm"]
@@ -111,6 +112,6 @@ def verify(folder: Path) -> tuple[str, list[str]]:
 
 
 VLLM.writers.update(
-    {"eagle": write_eagle, "causal_lm": copy_export, "medusa": write_medusa, "dflash": write_dflash}
+    {"eagle": write_eagle, "causal_lm": copy_export, "medusa": write_medusa, DFLASH: write_dflash}
 )
 VLLM.verify, VLLM.usage = verify, usage
