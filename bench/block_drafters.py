@@ -114,7 +114,13 @@ def main() -> None:
     from draftsmith.eval.report import provenance, write_json
 
     write_json(
-        args.out, {"settings": vars(args), "drafts": DRAFTS, "trained": trained, "provenance": provenance()}
+        args.out,
+        {
+            "settings": vars(args),
+            "drafts": DRAFTS,
+            "trained": trained,
+            "provenance": provenance(seed=recipe("eagle3", work)["trainer"].get("seed", 0)),
+        },
     )
     if args.no_judge:
         return

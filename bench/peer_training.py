@@ -57,6 +57,13 @@ QUICKSTART_DATA = ("builtin:sharegpt_1000", "builtin:gsm8k_train", "builtin:gpte
 # --------------------------------------------------------------------------- stage: data
 
 
+def quickstart_seed() -> int:
+    """The seed every pipeline's rows and draftsmith's run are drawn with: the quickstart recipe's."""
+    from draftsmith.train.config import load_config
+
+    return load_config("quickstart").trainer.seed
+
+
 def render_rows(seed: int = 0):
     """(tokenizer, quickstart recipe, train rows, held-out rows) exactly as ``draftsmith train quickstart`` builds them."""
     from transformers import AutoTokenizer
@@ -467,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftsmith.eval.report import provenance
 
     record.update({"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "target": TARGET,
-                   "data": list(QUICKSTART_DATA), "work": str(work), "provenance": provenance()})  # fmt: skip
+                   "data": list(QUICKSTART_DATA), "work": str(work), "provenance": provenance(seed=quickstart_seed())})  # fmt: skip
 
     def save() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

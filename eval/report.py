@@ -339,9 +339,10 @@ def format_markdown(report: dict) -> str:
     return "\n".join(out)
 
 
-def provenance() -> dict:
+def provenance(seed: int | None = None) -> dict:
     """Where a bench result came from: the command, the git commit of the tree it ran from (``+dirty`` with
-    uncommitted changes), the CPU's model and its matrix-instruction flags, and the date."""
+    uncommitted changes), the CPU's model and its matrix-instruction flags, the date, and the seed the run
+    drew its randomness from (``None`` for a run that draws none, such as greedy decoding)."""
     import subprocess
     import sys
 
@@ -363,15 +364,15 @@ def provenance() -> dict:
     flags = sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2")))
     return {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "commit": commit,
             "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "flags": flags},
-            "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+            "date": time.strftime("%Y-%m-%d"), "seed": seed}  # fmt: skip
 
 
-def bench_record(target, settings: dict, **results) -> dict:
+def bench_record(target, settings: dict, seed: int | None = None, **results) -> dict:
     """A bench script's result: the target's name, the settings it ran with, the hardware, the date and
     ``provenance()``, then ``results``."""
     return {"target": target.name, "settings": settings,
             "hardware": hardware_description(target.device, target.dtype), "date": time.strftime("%Y-%m-%d"),
-            "provenance": provenance(), **results}  # fmt: skip
+            "provenance": provenance(seed), **results}  # fmt: skip
 
 
 def write_json(path: str | Path, result: dict) -> Path:

@@ -1,0 +1,162 @@
+"""Every published figure traceable: each result under bench/results records its provenance (or is one of
+the closed list made before the rule), and README's headline figures are read from the results they cite
+or marked as not reproducible from a committed result."""
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+UNTRACEABLE = "not reproducible from a committed result"
+
+
+def problems(record: dict) -> list[str]:
+    """What a result lacks of its provenance: the command, the git commit, the machine (CPU model and its
+    matrix-instruction flags), the date and the seed (present, ``None`` for a run that draws nothing)."""
+    p = record.get("provenance") or {}
+    machine = p.get("machine") or {}
+    lacks = [key for key in ("commit", "command") if not p.get(key)]
+    if not (machine.get("cpu") and "flags" in machine):
+        lacks.append("machine")
+    if not p.get("date"):
+        lacks.append("date")
+    if "seed" not in p:
+        lacks.append("seed")
+    return lacks
+
+
+def legacy_table() -> dict[str, list[str]]:
+    """bench/results/README.md's list of results made before provenance was recorded: file -> what it lacks."""
+    text = (RESULTS / "README.md").read_text()
+    rows = re.findall(r"^\| `([^`]+\.json)` \| ([a-z, ]+) \|$", text, flags=re.M)
+    return {name: [x.strip() for x in lacks.split(",")] for name, lacks in rows}
+
+
+# Closed: the results made before 2026-12-03 without full provenance. A new result records it or fails.
+LEGACY = frozenset({
+    "batched.json", "block_drafters.json", "block_drafters_judged_ours.json", "cost_model_k.json",
+    "cost_model_k_run5.json", "cost_model_k_run6.json", "cost_model_k_run7.json", "cost_model_k_stock_run4.json",
+    "cpu_bf16.json", "cpu_kernels.json", "distill_sweep.json", "gpu_eagle3_probe.json", "gpu_eagle3_train.json",
+    "heldout_tau.json", "heldout_tau_decode.json", "heldout_tau_distill.json", "heldout_tau_gpu_head.json",
+    "heldout_tau_stage4.json", "heldout_tau_stage5.json", "hub_streaming_memory.json", "llamacpp_engine.json",
+    "llamacpp_engine_hour.json", "peer_training_100k_offline.json", "peer_training_16k.json",
+    "peer_training_400k.json", "peers.json", "regenerate_engines.json", "regenerate_engines_bf16.json",
+    "regenerate_throughput.json", "regenerate_vllm.json", "train_throughput.json",
+    "train_throughput_cpu_amx_bf16.json", "train_throughput_cpu_amx_fp32.json", "train_throughput_h200.json",
+    "vllm_engine.json",
+})  # fmt: skip
+
+
+def committed_results() -> list[Path]:
+    try:
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "bench/results/*.json"],
+                                capture_output=True, text=True, timeout=30, check=True).stdout.split()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("not a git checkout: the committed results cannot be listed")
+    return [ROOT / name for name in listed]
+
+
+def test_every_committed_result_records_its_provenance_or_is_a_listed_older_one():
+    table = legacy_table()
+    assert set(table) == LEGACY, "bench/results/README.md's list and the test's differ"
+    for path in committed_results():
+        lacks = problems(json.loads(path.read_text()))
+        if path.name in LEGACY:
+            assert lacks == table[path.name], (
+                f"{path.name}: the list says it lacks {table[path.name]}, it lacks {lacks}"
+            )
+        else:
+            assert not lacks, (
+                f"{path.name} lacks {', '.join(lacks)} in its provenance (draftsmith.eval.report.provenance)"
+            )
+
+
+def test_a_result_without_a_commit_or_a_machine_is_rejected():
+    from draftsmith.eval.report import provenance
+
+    good = {"provenance": provenance(seed=0)}
+    if good["provenance"]["commit"] is None:
+        pytest.skip("not a git checkout")
+    assert problems(good) == []
+    no_commit = {"provenance": {**good["provenance"], "commit": None}}
+    no_machine = {"provenance": {k: v for k, v in good["provenance"].items() if k != "machine"}}
+    no_seed = {"provenance": {k: v for k, v in good["provenance"].items() if k != "seed"}}
+    assert problems(no_commit) == ["commit"]
+    assert problems(no_machine) == ["machine"]
+    assert problems(no_seed) == ["seed"]
+    assert problems({"date": "2026-12-03", "hardware": "CPU"}) == [
+        "commit",
+        "command",
+        "machine",
+        "date",
+        "seed",
+    ]
+
+
+def at(record, *keys):
+    for key in keys:
+        record = record[key]
+    return record
+
+
+def amx_bf16_over_fp32() -> float:
+    def rate(name):
+        record = json.loads((RESULTS / f"train_throughput_cpu_amx_{name}.json").read_text())
+        return at(record, "runs", "eagle3 online", "tokens_per_s_per_device")
+
+    return rate("bf16") / rate("fp32")
+
+
+# README's headline figures: the figure as README writes it -> (the result it is read from, how to read it,
+# the decimals README rounds to)
+CITED = {
+    "2.7x": (amx_bf16_over_fp32, 1),
+    "τ of 2.39": (
+        lambda: at(
+            json.loads((RESULTS / "heldout_tau_gpu_head.json").read_text()),
+            "drafts",
+            "runs/gpu_eagle3/draft",
+            "walk",
+            "tau",
+        ),
+        2,
+    ),  # fmt: skip
+}
+FIGURE = re.compile(r"τ(?: of| =)? \d+\.\d+|\d+(?:\.\d+)?\s?[×x](?=[\s,.;)])")
+
+
+def sentences(text: str) -> list[str]:
+    return re.split(r"(?<=[.!?])\s+(?=[A-Z(`])", " ".join(text.split()))
+
+
+def readme_problems(text: str) -> list[str]:
+    """Each headline figure of ``text`` that differs from the result it is read from, or that has no result
+    and does not say so in its own sentence; and each figure this test reads that the text no longer has."""
+    found, wrong = [], []
+    for sentence in sentences(text):
+        for figure in FIGURE.findall(sentence):
+            found.append(figure)
+            if figure in CITED:
+                read, decimals = CITED[figure]
+                number = float(re.search(r"\d+(?:\.\d+)?", figure).group())
+                if round(read(), decimals) != number:
+                    wrong.append(f"README says {figure}, its result gives {read():.4f}")
+            elif UNTRACEABLE not in sentence:
+                wrong.append(f"{figure!r} cites no result: {sentence[:200]}")
+    return wrong + [f"{figure!r} is no longer in README" for figure in CITED if figure not in found]
+
+
+def test_readmes_headline_figures_are_read_from_the_results_they_cite_or_marked():
+    assert readme_problems((ROOT / "README.md").read_text()) == []
+
+
+def test_a_changed_or_unsourced_figure_is_caught():
+    text = (ROOT / "README.md").read_text()
+    assert any("2.8x" in p for p in readme_problems(text.replace("2.7x", "2.8x")))
+    unsourced = text + "\nThe new head reaches 1.52× the target alone.\n"
+    assert any("1.52×" in p for p in readme_problems(unsourced))
+    assert any("2.03" in p for p in readme_problems(text.replace(UNTRACEABLE, "reproducible")))
