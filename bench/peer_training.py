@@ -29,6 +29,17 @@ BENCHMARKS.md for the measured rates.
         --out bench/results/peer_training_400k.json
     python bench/peer_training.py --draft dflash --runs specforge speculators --tokens 409600 \
         --work runs/peer_dflash_400k --out bench/results/peer_dflash_400k.json
+
+A sweep (issue "Honest numbers": every pipeline tuned at the budget as draftsmith's recipe was) is a list of
+``--setting PIPELINE-NAME:...`` runs in each pipeline's own words, chosen afterwards on the held-out split.
+Each finished run is saved into --out at once and kept on the next invocation, so a sweep stopped half way
+goes on where it stopped:
+
+    python bench/peer_training.py --tokens 409600 --work runs/sweep --stages train --runs \
+        --setting specforge-lr3e4:training.learning_rate=3e-4 \
+        --setting specforge-lr1e3b4:training.learning_rate=1e-3,training.batch_size=4 \
+        --setting speculators-adamw:optimizer=adamw,lr=3e-4,total-seq-len=2048 \
+        --setting modelopt-wu50:training.warmup_steps=50 --out bench/results/peer_sweep_400k.json
 """
 
 from __future__ import annotations
@@ -243,35 +254,76 @@ def peer_python(peer: str) -> Path:
     return PEER_ROOT / peer / "bin" / "python"
 
 
-def parse_ablation(text: str) -> tuple[str, list[str]]:
-    """``NAME:KEY=VALUE[,KEY=VALUE]`` → (run ``draftsmith-NAME``, the overrides)."""
+def parse_setting(text: str) -> tuple[str, list[str]]:
+    """``PIPELINE-NAME:KEY=VALUE[,KEY=VALUE]`` → (run ``PIPELINE-NAME``, the overrides in the pipeline's own
+    words: draftsmith's and ModelOpt's recipe keys, SpecForge's config keys, speculators' flags)."""
     name, sep, items = text.partition(":")
     overrides = [item.strip() for item in items.split(",") if item.strip()]
-    if not sep or not name or not overrides or any("=" not in item for item in overrides):
-        raise ValueError(f"--ablation {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE] (e.g. lr:optim.lr=1e-4)")
-    return f"draftsmith-{name}", overrides
+    pipeline, dash, label = name.partition("-")
+    if (
+        not sep
+        or pipeline not in RUNS
+        or not dash
+        or not label
+        or not overrides
+        or any("=" not in item for item in overrides)
+    ):
+        raise ValueError(f"--setting {text!r}: expected PIPELINE-NAME:KEY=VALUE[,KEY=VALUE] with PIPELINE one of "
+                         f"{', '.join(RUNS)} (e.g. specforge-lr3e4:training.learning_rate=3e-4)")  # fmt: skip
+    return name, overrides
+
+
+def parse_ablation(text: str) -> tuple[str, list[str]]:
+    """``NAME:KEY=VALUE[,KEY=VALUE]`` → (run ``draftsmith-NAME``, the overrides): ``--setting draftsmith-NAME:...``."""
+    try:
+        return parse_setting(f"draftsmith-{text}")
+    except ValueError:
+        raise ValueError(
+            f"--ablation {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE] (e.g. lr:optim.lr=1e-4)"
+        ) from None
+
+
+def pipeline_of(run: str) -> str:
+    """The pipeline a run name belongs to: ``specforge-lr3e4`` → ``specforge``."""
+    return run.partition("-")[0]
 
 
 def train_command(run: str, work: Path, budget: dict, overrides: list[str] = ()) -> list[str]:
     out = work / "runs" / run
     common = ["--work", str(work), "--out", str(out), "--draft", budget.get("draft", "eagle3")]
-    if run.startswith("draftsmith"):
-        extra = [arg for item in overrides for arg in ("--override", item)]
+    extra = [arg for item in overrides for arg in ("--override", item)]
+    pipeline = pipeline_of(run)
+    if pipeline == "draftsmith":
         return [sys.executable, str(BENCH / "peers" / "draftsmith_run.py"), *common, *extra]
-    return [str(peer_python(run)), str(BENCH / "peers" / f"{run}_run.py"), *common]
+    return [str(peer_python(pipeline)), str(BENCH / "peers" / f"{pipeline}_run.py"), *common, *extra]
+
+
+def finished(record: dict | None) -> bool:
+    """Whether a run's record is a finished training: it exited 0 and its head is still there."""
+    return (
+        bool(record)
+        and record.get("returncode") == 0
+        and bool(record.get("head"))
+        and Path(record["head"]).exists()
+    )
 
 
 def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None = None, save=None,
-                ablations: dict[str, list[str]] | None = None) -> dict:  # fmt: skip
-    """Train ``runs`` (and the draftsmith ``ablations``: run name → recipe overrides) one at a time into
-    ``results`` (runs already there are replaced), calling ``save`` after each so a bench cut short keeps
-    the runs that finished."""
+                ablations: dict[str, list[str]] | None = None, rerun: bool = False) -> dict:  # fmt: skip
+    """Train ``runs`` (and the ``ablations``: run name → overrides, for any pipeline) one at a time into
+    ``results``, calling ``save`` after each so a bench cut short keeps the runs that finished. A run whose
+    record is already a finished training is kept, not trained again (so a sweep stopped half way goes on
+    where it stopped), unless ``rerun``."""
     results = {} if results is None else results
     ablations = ablations or {}
     for run in [*runs, *ablations]:
-        if not run.startswith("draftsmith") and not peer_python(run).exists():
+        if finished(results.get(run)) and not rerun:
+            print(f"peer_training: {run} kept (finished before; --rerun trains it again)", file=sys.stderr)
+            continue
+        pipeline = pipeline_of(run)
+        if pipeline != "draftsmith" and not peer_python(pipeline).exists():
             results[run] = {
-                "skipped": f"no venv at {PEER_ROOT / run}: bash scripts/install_peers.sh --train {run}"
+                "skipped": f"no venv at {PEER_ROOT / pipeline}: bash scripts/install_peers.sh --train {pipeline}"
             }
             print(f"peer_training: {run} skipped ({results[run]['skipped']})", file=sys.stderr)
             continue
@@ -458,11 +510,22 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=list(RUNS),
         choices=RUNS,
-        help="peers and draftsmith (none: only --ablation runs)",
+        help="peers and draftsmith (none: only the --ablation and --setting runs)",
     )
     p.add_argument("--ablation", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                    help="also train draftsmith's recipe with these overrides, as run draftsmith-NAME (repeatable; "
                    "trainer.batch_size keeps the rows, not the steps)")  # fmt: skip
+    p.add_argument("--setting", action="append", default=[], metavar="PIPELINE-NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="also train PIPELINE with its own settings changed, as run PIPELINE-NAME (repeatable; a "
+                   "sweep): draftsmith and ModelOpt take recipe keys (optim.lr=1e-4; training.learning_rate=3e-4), "
+                   "SpecForge its config keys (training.learning_rate=3e-4, training.warmup_ratio=0.05, "
+                   "training.batch_size=2, training.seed=1), speculators its flags without dashes (lr=3e-4, "
+                   "scheduler-warmup-steps=5, total-seq-len=4096, seed=1)")  # fmt: skip
+    p.add_argument(
+        "--rerun",
+        action="store_true",
+        help="train runs again that the --out record already holds as finished (default: keep them)",
+    )
     p.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
     p.add_argument("--draft", choices=("eagle3", "dflash"), default="eagle3", help="draft kind (data stage)")
     p.add_argument("--eval-limit", type=int, default=12, help="dev prompts in each eval run")
@@ -490,8 +553,10 @@ def main(argv: list[str] | None = None) -> int:
         record["capture"] = stage_capture(work)
         save()
     if "train" in args.stages:
-        ablations = dict(parse_ablation(a) for a in args.ablation)
-        stage_train(work, args.runs, budget, record.setdefault("train", {}), save, ablations)
+        ablations = dict(parse_ablation(a) for a in args.ablation) | dict(
+            parse_setting(s) for s in args.setting
+        )
+        stage_train(work, args.runs, budget, record.setdefault("train", {}), save, ablations, args.rerun)
     for run in record.get("train", {}).values():  # rates from the marks, also for runs kept from before
         if "wall_s" in run:
             run.update(throughput(run, budget))

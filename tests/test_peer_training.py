@@ -249,6 +249,95 @@ def test_an_ablation_is_a_draftsmith_run_with_recipe_overrides(tmp_path):
             peer_training.parse_ablation(bad)
 
 
+def test_a_setting_is_any_pipelines_run_with_its_own_overrides(tmp_path):
+    name, overrides = peer_training.parse_setting(
+        "specforge-lr3e4:training.learning_rate=3e-4,training.batch_size=2"
+    )
+    assert (name, overrides) == ("specforge-lr3e4", ["training.learning_rate=3e-4", "training.batch_size=2"])
+    cmd = peer_training.train_command(name, tmp_path, {}, overrides)
+    assert cmd[0] == str(peer_training.peer_python("specforge")) and cmd[1].endswith("specforge_run.py")
+    assert cmd[-4:] == ["--override", "training.learning_rate=3e-4", "--override", "training.batch_size=2"]
+    assert str(tmp_path / "runs" / "specforge-lr3e4") in cmd
+    assert peer_training.parse_ablation("lr:optim.lr=1e-4") == peer_training.parse_setting(
+        "draftsmith-lr:optim.lr=1e-4"
+    )
+    for bad in ("sglang-x:lr=1", "specforge:training.learning_rate=1", "specforge-x", "speculators-x:lr"):
+        with pytest.raises(ValueError, match="PIPELINE-NAME:KEY=VALUE"):
+            peer_training.parse_setting(bad)
+
+
+def test_a_sweep_keeps_its_finished_runs_and_trains_the_rest(tmp_path, monkeypatch):
+    """A sweep stopped half way goes on where it stopped: a run the record holds as finished (exit 0, its head
+    still there) is not trained again unless asked; a failed one, or one whose head is gone, is."""
+    trained = []
+
+    def fake_run(cmd, log, env):
+        run = Path(cmd[cmd.index("--out") + 1]).name
+        trained.append(run)
+        return {"returncode": 0, "wall_s": 1.0, "cpu_s": 1.0, "head": str(tmp_path)}
+
+    monkeypatch.setattr(peer_training, "run_timed", fake_run)
+    budget = {"train": {"positions": 100, "loss_tokens": 50}}
+    head = tmp_path / "head"
+    head.mkdir()
+    results = {
+        "draftsmith-a": {"returncode": 0, "head": str(head)},
+        "draftsmith-b": {"returncode": 1, "head": str(head)},
+        "draftsmith-c": {"returncode": 0, "head": str(tmp_path / "gone")},
+    }
+    runs = {
+        name: ["optim.lr=1e-4"] for name in ("draftsmith-a", "draftsmith-b", "draftsmith-c", "draftsmith-d")
+    }
+    peer_training.stage_train(tmp_path, [], budget, results, ablations=runs)
+    assert trained == ["draftsmith-b", "draftsmith-c", "draftsmith-d"]
+    peer_training.stage_train(tmp_path, [], budget, results, ablations={"draftsmith-a": []}, rerun=True)
+    assert trained[-1] == "draftsmith-a"
+
+
+def test_each_peer_takes_its_own_settings_and_refuses_a_misspelt_one():
+    """The words --setting passes reach each peer's own config, and a key the peer does not have stops the run
+    (ModelOpt's load_recipe would take one silently: its driver checks)."""
+    specforge = """
+from driver import set_dotted
+from specforge.config.schema import Config
+run = {"model": {"target_model_path": "t"}, "data": {"hidden_states_path": "h"}, "training": {}, "output_dir": "o"}
+set_dotted(run, "training.learning_rate", "3e-4"); set_dotted(run, "training.batch_size", "2")
+cfg = Config.model_validate(run)
+assert cfg.training.learning_rate == 3e-4 and cfg.training.batch_size == 2
+set_dotted(run, "training.learning_rat", "3e-4")
+try:
+    Config.model_validate(run)
+except Exception as e:
+    print("refused", type(e).__name__)
+"""
+    assert "refused" in run_in_peer("specforge", specforge)
+    speculators = """
+import sys
+from speculators.train.config import TrainConfig
+sys.argv = ["x", "--verifier-name-or-path", "t", "--data-path", "d", "--lr", "3e-4", "--scheduler-warmup-steps", "5"]
+cfg = TrainConfig.resolve()
+print(cfg.optimizer.lr, cfg.scheduler.scheduler_warmup_steps)
+sys.argv.append("--lr-typo")
+try:
+    TrainConfig.resolve()
+except SystemExit:
+    print("refused")
+"""
+    assert run_in_peer("speculators", speculators).split()[-3:] == ["0.0003", "5", "refused"]
+    modelopt = """
+from pathlib import Path
+import modelopt_recipes, modelopt_run
+from modelopt.recipe import load_recipe
+base = load_recipe(str(Path(modelopt_recipes.__file__).parent / "general" / "speculative_decoding" / "eagle3.yaml"))
+modelopt_run.check_keys(base.model_dump(), ["training.learning_rate", "training.warmup_steps"])
+try:
+    modelopt_run.check_keys(base.model_dump(), ["training.learning_rat"])
+except SystemExit as e:
+    print("refused", e)
+"""
+    assert "refused --override training.learning_rat" in run_in_peer("modelopt", modelopt)
+
+
 def test_specforge_reads_its_dflash_layout(tmp_path):
     """--draft dflash: SpecForge's DFlash record (the tapped states as ``hidden_states``), read by its own reader and
     normalizer; the bench passes the draft kind to every driver."""

@@ -50,11 +50,31 @@ def write_result(out: Path, marks: list, head: Path | None, **fields) -> None:
 
 
 def driver_args() -> tuple[argparse.Namespace, dict]:
-    """(``--work``, ``--out`` and ``--draft`` as bench/peer_training.py passes them, the bench's budget); ``--out`` made."""
+    """(``--work``, ``--out``, ``--draft`` and the ``--override`` pairs as bench/peer_training.py passes them,
+    the bench's budget); ``--out`` made."""
     p = argparse.ArgumentParser()
     p.add_argument("--work", type=Path, required=True, help="the bench's folder: data/, the captures")
     p.add_argument("--out", type=Path, required=True, help="this run's folder: result.json, the head")
     p.add_argument("--draft", choices=("eagle3", "dflash"), default="eagle3", help="the draft kind to train")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="one of the peer's own settings, in its own words (repeatable; see the driver)")  # fmt: skip
     args = p.parse_args()
+    args.override = [tuple(item.split("=", 1)) for item in args.override]
     args.out.mkdir(parents=True, exist_ok=True)
     return args, json.loads((args.work / "data" / "budget.json").read_text())
+
+
+def json_value(text: str):
+    """A setting's value as the peer's config holds it: a number, a boolean or null where it reads as one."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def set_dotted(config: dict, key: str, value: str) -> None:
+    """``config[a][b] = value`` for ``key`` ``a.b`` (sections made as needed)."""
+    *path, last = key.split(".")
+    for part in path:
+        config = config.setdefault(part, {})
+    config[last] = json_value(value)

@@ -108,6 +108,16 @@ def heldout_metrics(model, rows: Conversations, collate) -> dict:
     return {"loss": sum(losses) / len(losses), **{f"acc_{i}": a for i, a in enumerate(per_step)}}
 
 
+def check_keys(recipe: dict, keys: list[str]) -> None:
+    """Refuse a setting the recipe does not have: ModelOpt's ``load_recipe`` takes a misspelt key silently."""
+    for key in keys:
+        node = recipe
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise SystemExit(f"--override {key}: ModelOpt's eagle3 recipe has no such key")
+            node = node[part]
+
+
 def main() -> int:
     args, budget = driver_args()
     train = Conversations(args.work / "data" / "train.jsonl")
@@ -140,7 +150,9 @@ def main() -> int:
                  f"training.training_seq_len={budget['max_length']}", "training.logging_steps=1",
                  "training.report_to=none", "training.dataloader_num_workers=0",
                  f"eagle.eagle_ttt_steps={budget['ttt_steps']}", "eagle.eagle_use_torch_compile=false",
-                 *(f"eagle.eagle_architecture_config.{k}={v}" for k, v in arch.items())]  # fmt: skip
+                 *(f"eagle.eagle_architecture_config.{k}={v}" for k, v in arch.items()),
+                 *(f"{k}={v}" for k, v in args.override)]  # ModelOpt's own recipe keys, last wins  # fmt: skip
+    check_keys(load_recipe(str(recipe_file)).model_dump(), [k for k, _ in args.override])
     recipe = load_recipe(str(recipe_file), overrides=overrides)
     training_args = HfTrainingArguments(**recipe.training.model_dump())
     model = load_vlm_or_llm(str(target), dtype="auto", device_map="cpu")

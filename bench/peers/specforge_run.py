@@ -44,7 +44,7 @@ import types
 from pathlib import Path
 
 import torch
-from driver import driver_args, record_steps, write_result
+from driver import driver_args, record_steps, set_dotted, write_result
 
 os.environ.setdefault("SPECFORGE_DEVICE", "cpu")
 
@@ -160,6 +160,8 @@ def main() -> int:
         },
         "output_dir": str(args.out / "output"),
     }
+    for key, value in args.override:  # SpecForge's own config keys (training.learning_rate=3e-4, ...);
+        set_dotted(run, key, value)  # its schema forbids unknown ones, so a typo stops the run
     draft_json = args.out / "draft.json"
     if args.draft == "dflash":
         run["training"]["strategy"] = "dflash"

@@ -97,7 +97,8 @@ def main() -> int:
             "--train-data-ratio", str((split["train"] + 0.5) / (split["train"] + split["heldout"])),
             "--num-layers", str(budget["num_layers"]), "--epochs", "1",
             "--loss-implementation", "eager", "--draft-attn-impl", "sdpa", "--num-workers", "0",
-            "--save-path", str(save), "--no-resume-from-checkpoint", "--log-dir", str(args.out / "logs")]  # fmt: skip
+            "--save-path", str(save), "--no-resume-from-checkpoint", "--log-dir", str(args.out / "logs"),
+            *(arg for k, v in args.override for arg in (f"--{k}", v))]  # its own flags (lr=3e-4), last wins  # fmt: skip
     from speculators.train.cli import main as speculators_train
     from speculators.train.config import TrainConfig
 
