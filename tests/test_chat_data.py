@@ -11,11 +11,17 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_regenerate import data, target, target_dir  # noqa: F401 (the tiny target and its conversations)
+from test_served import FakeServer
 from tiny import tiny_tokenizer
 
+from draftsmith.cli import build_parser, main
+from draftsmith.train.config import load_config
 from draftsmith.train.corpus.conversations import load_conversations
 from draftsmith.train.corpus.regenerate import Dialogue, strip_thinking
+from draftsmith.train.corpus.served import errors_path
 from draftsmith.train.corpus.tokens import build_dataset, chat_text, render
+from draftsmith.train.loop import prepare_datasets
 
 QWEN3_LIKE = (
     "{%- set ns = namespace(last_query=-1) %}"
@@ -259,3 +265,91 @@ def test_chat_data_refusals_name_the_record_and_what_is_wrong(tmp_path, turn, ma
     path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [U1, turn]}])
     with pytest.raises(ValueError, match=match):
         load_conversations([path])
+
+
+# --- regenerate through a server, and the training config ------------------------------------------
+
+
+class ThinkingServer(FakeServer):
+    """Answers every prompt with a reply that thinks first, and keeps the prompts it was sent."""
+
+    def __init__(self, model, tokenizer):
+        super().__init__(model, tokenizer)
+        self.prompts: list[str] = []
+
+    def complete(self, body: dict) -> dict:
+        self.prompts.append(self.tokenizer.decode(body["prompt"]))
+        return {"choices": [{"text": "<think>\nhm\n</think>\n\nok", "finish_reason": "stop"}],
+                "usage": {"completion_tokens": 9}}  # fmt: skip
+
+
+def test_cli_regenerate_strips_thinking_puts_the_system_prompt_first_and_passes_template_args(
+    target, target_dir, data, tmp_path
+):
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3_LIKE)
+    out = tmp_path / "regen.jsonl"
+    server = ThinkingServer(*target)
+    try:
+        assert main(["data", "regenerate", "--target", str(target_dir), "--data", str(data), "--out", str(out),
+                     "--server", server.url, "--chat-template", str(template), "--reasoning", "strip",
+                     "--system", "Be brief.", "--template-arg", "enable_thinking=false", "--limit", "2"]) == 0  # fmt: skip
+    finally:
+        server.close()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["messages"][0] == {"role": "system", "content": "Be brief."}
+        assert [m["content"] for m in row["messages"] if m["role"] == "assistant"] == ["ok"]
+    assert len(server.prompts) == 2
+    assert all(p.startswith("<|im_start|>system\nBe brief.") for p in server.prompts)
+    assert all(p.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for p in server.prompts)
+
+
+def test_template_arg_refuses_what_is_not_key_value(capsys):
+    with pytest.raises(SystemExit):
+        build_parser("data").parse_args(["data", "regenerate", "--target", "t", "--data", "d", "--out", "o",
+                                         "--template-arg", "enable_thinking"])  # fmt: skip
+    assert "expected KEY=VALUE, e.g. enable_thinking=false" in capsys.readouterr().err
+
+
+def test_a_refused_request_goes_to_the_errors_file_and_the_job_goes_on(
+    target, target_dir, data, tmp_path, capsys
+):
+    out = tmp_path / "regen.jsonl"
+    server = FakeServer(*target)
+    server.refuse = lambda prompt: "prompt too long for this server" if "3+3" in prompt else None
+    argv = ["data", "regenerate", "--target", str(target_dir), "--data", str(data), "--out", str(out),
+            "--server", server.url, "--max-new-tokens", "4"]  # fmt: skip
+    try:
+        assert main(argv) == 0
+        printed = capsys.readouterr().out
+        ids = [json.loads(line)["source_id"] for line in out.read_text().splitlines()]
+        assert ids == [f"train.jsonl:{i}" for i in (0, 1, 2, 4, 5)]  # the rest in input order
+        (refusal,) = [json.loads(line) for line in errors_path(out).read_text().splitlines()]
+        assert refusal["source_id"] == "train.jsonl:3" and refusal["status"] == 400
+        assert "prompt too long for this server" in refusal["reason"]
+        assert (
+            f"1 conversations the server refused (HTTP 4xx) are listed with the reasons in {errors_path(out)}"
+            in printed
+        )
+        assert errors_path(out).name == "regen.jsonl.errors"  # no part-*.jsonl pattern takes it for data
+        server.refuse = None  # a rerun tries the refused conversation again
+        assert main(argv) == 0
+        assert "wrote 1 conversations" in capsys.readouterr().out
+    finally:
+        server.close()
+
+
+def test_data_template_args_and_system_in_the_training_config(tmp_path):
+    path = write_jsonl(tmp_path / "plain.jsonl",
+                       [{"messages": [U1, {"role": "assistant", "content": f"{i}."}]} for i in range(4)])  # fmt: skip
+    config = load_config(overrides=[f"--data.paths={path}", "--data.heldout=1", "--data.system=Be brief.",
+                                    "--data.template_args={enable_thinking: false}"])  # fmt: skip
+    assert config.data.template_args == {"enable_thinking": False}
+    train, heldout = prepare_datasets(config, qwen3_like())
+    texts = [qwen3_like().decode(row["input_ids"]) for row in [*train, *heldout]]
+    assert len(texts) == 4
+    assert all(
+        t.startswith("<|im_start|>system\nBe brief.") and "<think>\n\n</think>\n\n" in t for t in texts
+    )
