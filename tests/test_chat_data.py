@@ -13,7 +13,7 @@ import json
 import pytest
 from test_regenerate import data, target, target_dir  # noqa: F401 (the tiny target and its conversations)
 from test_served import FakeServer
-from tiny import tiny_tokenizer
+from tiny import tiny_tokenizer, train_debug_recipe
 
 from draftsmith.cli import build_parser, main
 from draftsmith.train.config import load_config
@@ -353,3 +353,19 @@ def test_data_template_args_and_system_in_the_training_config(tmp_path):
     assert all(
         t.startswith("<|im_start|>system\nBe brief.") and "<think>\n\n</think>\n\n" in t for t in texts
     )
+
+
+def test_multi_turn_thinking_and_tool_conversations_train(tmp_path):
+    """EAGLE-3's debug recipe for 2 steps on a tiny target whose template strips earlier thinking."""
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3_LIKE)
+    data = write_jsonl(
+        tmp_path / "chat.jsonl",
+        [{"messages": [U1, THINKING_1, U2, {"role": "assistant", "content": f"<think>x{i}</think>{i}."}]}
+         for i in range(10)] + [TOOL_CONVERSATION] * 4,
+    )  # fmt: skip
+    result, config = train_debug_recipe(
+        tmp_path, "debug_eagle3.yaml", f"--data.paths=[{data}]", f"--target.chat_template={template}",
+        "--data.heldout=4", layers=2,
+    )  # fmt: skip
+    assert config.data.paths == [str(data)]
