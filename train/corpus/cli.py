@@ -33,6 +33,12 @@ Engines (each record says which wrote it, in "generator"):
                           or a .gguf --target) from `bash scripts/install_llamacpp.sh`, runs the job, stops it:
                           the replies are that GGUF's own, as a draft served beside it should learn
 
+Chat data: tool results (roles tool, function, ipython) are kept as context, and so are assistant
+messages that call tools; --system puts a system prompt first where there is none; --template-arg passes
+the chat template's variables (enable_thinking=false); --reasoning strip saves replies without their
+<think> block. Through --server, a conversation whose request the server refuses (HTTP 4xx) is listed with
+the reason in OUT.errors and the job goes on; a rerun tries it again.
+
 Sharding (a cluster): --shard I/N takes conversations I, I+N, I+2N, ... of the input, so N jobs (a SLURM
 array, each with its own server) write disjoint files that training reads as one data set
 (data.regenerated: 'regen/part-*.jsonl'). docs/TRAINING.md has a SLURM and a vLLM example.
