@@ -33,6 +33,19 @@ class ServerError(ValueError):
     as it does bad input, and exits non-zero)."""
 
 
+class RequestRefused(ServerError):
+    """The server refused one request (HTTP 4xx: too long, malformed, ...): asking again will not help, but
+    the server is up and other requests may go on."""
+
+    def __init__(self, message: str, status: int, reason: str):
+        super().__init__(message)
+        self.status, self.reason = status, reason
+
+
+RETRIED_4XX = (408, 429)
+"""Refusals that are about the moment, not the request (timeout, too many requests): retried as 5xx are."""
+
+
 @dataclass
 class Reply:
     text: str
@@ -64,8 +77,12 @@ class CompletionServer:
                     raw = response.read()
             except urllib.error.HTTPError as err:
                 detail = err.read().decode("utf-8", "replace")[:500]
-                if err.code < 500:  # the request is wrong: asking again will not help
-                    raise ServerError(f"{self.url}{path} answered HTTP {err.code}: {detail}") from err
+                if (
+                    err.code < 500 and err.code not in RETRIED_4XX
+                ):  # the request is wrong: asking again will not help
+                    raise RequestRefused(
+                        f"{self.url}{path} answered HTTP {err.code}: {detail}", err.code, detail
+                    ) from err
                 last = ServerError(f"HTTP {err.code}: {detail}")
                 continue
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:

@@ -40,7 +40,7 @@ def masked_runs(rendered) -> list[list[int]]:
 
 
 def assert_mask_is_assistant_content(messages, tokenizer, end_of_turn):
-    rendered = render(messages, tokenizer, max_length=10_000)
+    (rendered,) = render(messages, tokenizer, max_length=10_000)
     assert len(rendered["input_ids"]) == len(rendered["loss_mask"])
     assert rendered["input_ids"] == tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
     expected = [m["content"].strip() + end_of_turn for m in messages if m["role"] == "assistant"]
@@ -80,7 +80,7 @@ def test_every_shape_loads_into_messages(tmp_path):
         ],
     )
     ds = load_conversations([sharegpt, listed, mixed])
-    assert ds.column_names == ["messages", "cut_replies"] and not any(ds["cut_replies"])
+    assert ds.column_names == ["messages", "cut_replies", "tool_calls"] and not any(ds["cut_replies"])
     assert ds["messages"] == [
         [
             {"role": "system", "content": "sys"},
@@ -200,7 +200,7 @@ def test_mask_with_real_smollm2_tokenizer():
     for messages in ([Q1, A1], [Q1, A1, Q2, A2], [SYSTEM, Q1, A1, Q2, A2]):
         assert_mask_is_assistant_content(messages, tokenizer, "<|im_end|>")
     # the template's default system prompt is context, never a target
-    rendered = render([Q1, A1], tokenizer, 10_000)
+    (rendered,) = render([Q1, A1], tokenizer, 10_000)
     unmasked = tokenizer.decode([t for t, m in zip(rendered["input_ids"], rendered["loss_mask"]) if not m])
     assert "SmolLM" in unmasked and A1["content"] not in unmasked
 
@@ -208,13 +208,13 @@ def test_mask_with_real_smollm2_tokenizer():
 def test_a_cut_reply_is_learned_without_the_end_of_turn_the_template_gave_it():
     """A reply cut at max_new_tokens: its content is a target, the <|im_end|> after it is context only."""
     tok = tiny_tokenizer()
-    whole = render([Q1, A1, Q2, A2], tok, 10_000)
+    (whole,) = render([Q1, A1, Q2, A2], tok, 10_000)
     for cut, expected in (
         ([1], [A1["content"], A2["content"] + "<|im_end|>"]),
         ([3], [A1["content"] + "<|im_end|>", A2["content"]]),
         ([1, 3], [A1["content"], A2["content"]]),
     ):
-        rendered = render([Q1, A1, Q2, A2], tok, 10_000, cut_replies=cut)
+        (rendered,) = render([Q1, A1, Q2, A2], tok, 10_000, cut_replies=cut)
         assert rendered["input_ids"] == whole["input_ids"]  # the context the later turns saw is unchanged
         assert [tok.decode(run) for run in masked_runs(rendered)] == expected
 
@@ -241,8 +241,8 @@ def test_cut_replies_load_with_their_indices_and_an_unclear_old_record_is_skippe
 
 def test_truncation_keeps_mask_aligned():
     tok = tiny_tokenizer()
-    full = render([Q1, A1, Q2, A2], tok, 10_000)
-    cut = render([Q1, A1, Q2, A2], tok, 40)
+    (full,) = render([Q1, A1, Q2, A2], tok, 10_000)
+    (cut,) = render([Q1, A1, Q2, A2], tok, 40)
     assert cut["input_ids"] == full["input_ids"][:40] and cut["loss_mask"] == full["loss_mask"][:40]
 
 

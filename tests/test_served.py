@@ -40,6 +40,7 @@ class FakeServer:
         self.n_vocab = n_vocab or model.config.vocab_size
         self.die_after: int | None = None  # completions answered before it starts failing with HTTP 503
         self.malformed = False
+        self.refuse = None  # prompt text -> the reason to answer HTTP 400 with, or None to answer
         self.completions = 0
         self.lock = threading.Lock()
         outer = self
@@ -68,6 +69,9 @@ class FakeServer:
                     return self.reply(200, {"tokens": ids})
                 if self.path != "/v1/completions":
                     return self.reply(404, {"error": "not found"})
+                reason = outer.refuse and outer.refuse(outer.tokenizer.decode(body["prompt"]))
+                if reason:
+                    return self.reply(400, {"error": {"message": reason}})
                 with outer.lock:
                     outer.completions += 1
                     if outer.die_after is not None and outer.completions > outer.die_after:

@@ -65,7 +65,8 @@ def prepare_datasets(config: TrainConfig, tokenizer):
     """(train, heldout) datasets of input_ids/loss_mask rows, rendered with the target's chat template."""
     d = config.data
     paths = [d.regenerated] if d.regenerated else d.paths
-    ds = build_dataset(paths, tokenizer, d.max_length, pack=d.pack, limit=d.limit, seed=d.seed)
+    ds = build_dataset(paths, tokenizer, d.max_length, pack=d.pack, limit=d.limit, seed=d.seed,
+                       system=d.system, template_args=d.template_args)  # fmt: skip
     if len(ds) <= d.heldout:
         raise ValueError(
             f"only {len(ds)} training sequences in {paths}, not more than data.heldout={d.heldout}; "

@@ -69,6 +69,12 @@ class DataConfig:
     """Conversations held out for validation loss and simulated acceptance."""
     seed: int = 0
     """Seed for shuffling and the held-out split."""
+    system: str | None = None
+    """A system prompt put first in every conversation that has none (null = the data's own, if any); give
+    the one the target will be served with."""
+    template_args: Options = field(default_factory=dict)
+    """Variables for the chat template, as the target is served with them (e.g. ``enable_thinking: false``
+    for Qwen3; ``data regenerate --template-arg`` takes the same)."""
 
 
 @dataclass(config=SECTION)

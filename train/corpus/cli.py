@@ -33,6 +33,12 @@ Engines (each record says which wrote it, in "generator"):
                           or a .gguf --target) from `bash scripts/install_llamacpp.sh`, runs the job, stops it:
                           the replies are that GGUF's own, as a draft served beside it should learn
 
+Chat data: tool results (roles tool, function, ipython) are kept as context, and so are assistant
+messages that call tools; --system puts a system prompt first where there is none; --template-arg passes
+the chat template's variables (enable_thinking=false); --reasoning strip saves replies without their
+<think> block. Through --server, a conversation whose request the server refuses (HTTP 4xx) is listed with
+the reason in OUT.errors and the job goes on; a rerun tries it again.
+
 Sharding (a cluster): --shard I/N takes conversations I, I+N, I+2N, ... of the input, so N jobs (a SLURM
 array, each with its own server) write disjoint files that training reads as one data set
 (data.regenerated: 'regen/part-*.jsonl'). docs/TRAINING.md has a SLURM and a vLLM example.
@@ -175,6 +181,29 @@ def add_parser(subparsers) -> None:
     regen.add_argument(
         "--shard", default=None, metavar="I/N", help="only shard I of N (I from 0): every N-th conversation"
     )
+    regen.add_argument(
+        "--reasoning",
+        choices=["keep", "strip"],
+        default="keep",
+        help="a reasoning model's <think> block in the saved replies: keep it (default; a draft for a target "
+        "served thinking learns to draft the thinking too) or strip it (only the answer is saved). A reply cut "
+        "inside its thinking is flagged in cut_thinking either way",
+    )
+    regen.add_argument(
+        "--system",
+        default=None,
+        metavar="TEXT",
+        help="a system prompt put first in every conversation that has none (train with the same: data.system)",
+    )
+    regen.add_argument(
+        "--template-arg",
+        action="append",
+        default=[],
+        type=template_arg,
+        metavar="KEY=VALUE",
+        help="a variable for the chat template, e.g. enable_thinking=false (Qwen3); repeatable. VALUE is read as "
+        "JSON (true, false, numbers), else as text. Train with the same: data.template_args",
+    )
     regen.set_defaults(func=run_regenerate)
 
     prompts = actions.add_parser(
@@ -234,6 +263,20 @@ def add_parser(subparsers) -> None:
     )
     synth.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     synth.set_defaults(func=run_synthesize)
+
+
+def template_arg(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` of ``--template-arg``: VALUE as JSON (true, false, 3, "x"), else as text."""
+    import json
+
+    key, equals, value = text.partition("=")
+    if not equals or not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. enable_thinking=false")
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = {"True": True, "False": False}.get(value, value)
+    return key.strip(), parsed
 
 
 def run_prompts(args: argparse.Namespace) -> int:
@@ -308,6 +351,7 @@ ENGINES = ("transformers", "server", "llamacpp", "vllm")
 
 def run_regenerate(args: argparse.Namespace) -> int:
     from draftsmith.train.corpus.prompts import parse_shard
+    from draftsmith.train.corpus.served import errors_path
 
     engine = args.engine or ("server" if args.server else "transformers")
     if engine == "server" and not args.server:
@@ -315,6 +359,7 @@ def run_regenerate(args: argparse.Namespace) -> int:
     if args.server and engine != "server":
         raise ValueError(f"--server is the server engine's; drop --engine {engine} or --server")
     shard = parse_shard(args.shard) if args.shard else None
+    args.template_args = dict(args.template_arg)
     if engine == "transformers":
         from draftsmith.train.corpus.regenerate import regenerate
 
@@ -339,6 +384,9 @@ def run_regenerate(args: argparse.Namespace) -> int:
             max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
             shard=shard,
             generator=generator,
+            reasoning=args.reasoning,
+            system=args.system,
+            template_args=args.template_args,
         )
     else:
         from draftsmith.train.corpus.served import run_served
@@ -350,5 +398,11 @@ def run_regenerate(args: argparse.Namespace) -> int:
         "no end of turn after them), "
         f"{stats.cut_conversations} conversations stopped at --max-prompt-tokens"
         + (f"; {stats.left_for_later} left for a rerun (--max-minutes)" if stats.left_for_later else "")
+        + (
+            f"; {stats.refused} conversations the server refused (HTTP 4xx) are listed with the reasons in "
+            f"{errors_path(args.out)}, and a rerun tries them again"
+            if stats.refused
+            else ""
+        )
     )
     return 0

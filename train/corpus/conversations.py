@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import datasets
 
@@ -20,7 +21,9 @@ from draftsmith.sources import DataSourceError, HubSource, expand_sources, parse
 
 logger = logging.getLogger(__name__)
 
-Message = dict[str, str]
+Message = dict[str, Any]
+"""``{"role", "content"}``, and ``tool_calls`` (a list, as chat templates read it) on an assistant message
+that calls tools."""
 
 ROLE_ALIASES = {
     "system": "system",
@@ -32,6 +35,9 @@ ROLE_ALIASES = {
     "bing": "assistant",
     "bard": "assistant",
 }
+CONTEXT_ROLES = {"tool": "tool", "function": "tool", "ipython": "tool"}
+"""Roles kept as context and never trained on: what a tool returned. Rendered as role ``tool`` (the name
+chat templates read; Llama-3.1's renders it under its ``ipython`` header)."""
 SHAPES = (
     'ShareGPT {"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}',
     '{"messages": [{"role": "system"|"user"|"assistant", "content": ...}]}',
@@ -42,6 +48,8 @@ MESSAGES_FEATURES = datasets.Features(
     {
         "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
         "cut_replies": datasets.List(datasets.Value("int32")),  # assistant messages cut at max_new_tokens
+        # the tool calls of assistant messages, as JSON (arguments differ in shape from call to call)
+        "tool_calls": datasets.List({"message": datasets.Value("int32"), "calls": datasets.Value("string")}),
     }
 )
 
@@ -90,7 +98,10 @@ def to_messages(record: object, where: str) -> list[Message]:
     if isinstance(record.get("conversations"), list):
         turns = [(_field(t, "from", where), _field(t, "value", where)) for t in record["conversations"]]
     elif isinstance(record.get("messages"), list):
-        turns = [(_field(t, "role", where), _field(t, "content", where)) for t in record["messages"]]
+        turns = [
+            (_field(t, "role", where), t.get("content") if _calls_tools(t) else _field(t, "content", where))
+            for t in record["messages"]
+        ]
     elif "question" in record and "answer" in record:
         turns = [("user", record["question"]), ("assistant", record["answer"])]
     elif "instruction" in record and ("response" in record or "output" in record):
@@ -103,16 +114,81 @@ def to_messages(record: object, where: str) -> list[Message]:
         raise ValueError(
             f"{where} has keys {sorted(record)}, which match no known shape; accepted shapes: {_shapes()}"
         )
+    raw = record.get("messages") if isinstance(record.get("messages"), list) else None
     messages = []
     for n, (role, content) in enumerate(turns):
-        if role not in ROLE_ALIASES:
+        name = (ROLE_ALIASES.get(role) or CONTEXT_ROLES.get(role)) if isinstance(role, str) else None
+        if name is None:
+            known = ", ".join(sorted([*ROLE_ALIASES, *CONTEXT_ROLES]))
             raise ValueError(
-                f"{where}, turn {n}: unknown role {role!r}; known roles: {', '.join(sorted(ROLE_ALIASES))}"
+                f"{where}, turn {n}: unknown role {role!r}; known roles: {known} (rename it to one of them, "
+                "or drop the turn)"
             )
-        if not isinstance(content, str):
-            raise ValueError(f"{where}, turn {n}: content is {type(content).__name__}, expected a string")
-        messages.append({"role": ROLE_ALIASES[role], "content": content})
+        calls = raw[n].get("tool_calls") if raw is not None and isinstance(raw[n], dict) else None
+        message: Message = {"role": name, "content": _text(content, calls, f"{where}, turn {n}")}
+        if calls:
+            if name != "assistant":
+                raise ValueError(
+                    f"{where}, turn {n}: a {role!r} message has tool_calls; only assistant messages call tools"
+                )
+            message["tool_calls"] = _tool_calls(calls, f"{where}, turn {n}")
+        messages.append(message)
     return messages
+
+
+def _text(content: object, calls: object, where: str) -> str:
+    """A message's content as one string: a string, or a list of text parts joined (OpenAI's
+    ``[{"type": "text", "text": ...}]``); an assistant message that only calls tools may have none."""
+    if isinstance(content, str):
+        return content
+    if content is None and calls:
+        return ""
+    if not isinstance(content, list):
+        raise ValueError(
+            f"{where}: content is {type(content).__name__}, expected a string or a list of text parts"
+        )
+    texts = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(
+                f'{where}: content part {k} is of type {kind!r}; only text parts ({{"type": "text", '
+                '"text": ...}) can be trained on: drop the other parts or the record'
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _tool_calls(calls: object, where: str) -> list[dict]:
+    """Tool calls as chat templates read them: ``{"type": "function", "function": {"name", "arguments"}}``
+    with the arguments an object (OpenAI sends them as a JSON string, which Llama-3.1's template would
+    quote once more)."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}: tool_calls is {type(calls).__name__}, expected a list of calls")
+    out = []
+    for k, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(
+                f'{where}: tool call {k} has no function name; expected {{"type": "function", "function": '
+                '{"name": ..., "arguments": {...}}}'
+            )
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: tool call {k}'s arguments are not JSON: {err}") from err
+        named = {"id": call["id"]} if isinstance(call.get("id"), str) else {}
+        out.append({**named, "type": "function", "function": {**function, "arguments": arguments}})
+    return out
+
+
+def with_system(messages: list[Message], system: str | None) -> list[Message]:
+    """``messages`` with a system prompt put first when they have none (``data.system``, ``--system``)."""
+    if not system or (messages and messages[0]["role"] == "system"):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
 
 
 def iter_conversations(spec: str | Path) -> Iterator[tuple[int, list[Message]]]:
@@ -207,7 +283,7 @@ def shape_of_columns(columns: Sequence[str]) -> str | None:
 
 def load_conversations(paths: Sequence[str | Path]) -> datasets.Dataset:
     """Load conversation sources (JSON/JSONL files or patterns of them, ``builtin:`` names, ``hf:`` datasets) into a Dataset
-    with columns ``messages`` and ``cut_replies``.
+    with columns ``messages``, ``cut_replies`` and ``tool_calls`` (``stored``; ``restored`` gives the messages).
 
     Each record may be in any shape of ``SHAPES`` (told per record). ``cut_replies`` lists the assistant
     messages ``data regenerate`` cut at max_new_tokens (indices into ``messages``): the reply is the target's
@@ -230,7 +306,7 @@ def load_conversations(paths: Sequence[str | Path]) -> datasets.Dataset:
             elif cut is None:
                 unclear += 1
             else:
-                rows.append({"messages": messages, "cut_replies": cut})
+                rows.append(stored(messages, cut))
     if empty:
         logger.warning("skipped %d conversations that held only assistant turns", empty)
     if unclear:
@@ -243,6 +319,29 @@ def load_conversations(paths: Sequence[str | Path]) -> datasets.Dataset:
     if not rows:
         raise ValueError(f"no usable conversations in {', '.join(map(str, paths))} (see the warnings above)")
     return datasets.Dataset.from_list(rows, features=MESSAGES_FEATURES)
+
+
+def stored(messages: list[Message], cut_replies: list[int]) -> dict:
+    """A row of ``MESSAGES_FEATURES``: the messages' roles and text, the cut replies, and the tool calls by
+    message index as JSON (``restored`` reads them back)."""
+    calls = [
+        {"message": i, "calls": json.dumps(m["tool_calls"])}
+        for i, m in enumerate(messages)
+        if m.get("tool_calls")
+    ]
+    return {
+        "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+        "cut_replies": cut_replies,
+        "tool_calls": calls,
+    }
+
+
+def restored(row: dict) -> list[Message]:
+    """The messages of a ``stored`` row, tool calls put back on their assistant messages."""
+    messages = [dict(m) for m in row["messages"]]
+    for entry in row.get("tool_calls") or ():
+        messages[entry["message"]]["tool_calls"] = json.loads(entry["calls"])
+    return messages
 
 
 def _cut_replies(messages: list[Message], record: object) -> list[int] | None:
@@ -266,6 +365,10 @@ def _cut_replies(messages: list[Message], record: object) -> list[int] | None:
 
 def _shapes() -> str:
     return "; ".join(SHAPES)
+
+
+def _calls_tools(turn: object) -> bool:
+    return isinstance(turn, dict) and bool(turn.get("tool_calls"))
 
 
 def _field(turn: object, key: str, where: str) -> object:

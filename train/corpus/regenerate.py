@@ -11,7 +11,12 @@ measured slower than padding (BENCHMARKS.md).
 
 A reply that hits ``max_new_tokens`` is flagged: ``truncated_replies`` counts them and ``cut_replies`` lists
 their message indices. Every token of such a reply is the target's own, but the end of turn the chat template
-puts after it never was, so training learns the reply and not that ending (``tokens.render``).
+puts after it never was, so training learns the reply and not that ending (``tokens.render``). A reasoning
+model's reply that stops inside its ``<think>`` block is listed in ``cut_thinking`` too. ``reasoning="strip"``
+saves replies without their thinking block, ``"keep"`` as the target wrote them.
+
+Tool results (role ``tool``) are kept as context, and so are assistant messages that call tools: the results
+after them answer those calls, which another reply would not have made.
 
 The output is JSONL in the ``messages`` shape with a ``source_id`` ("file name:record index"). Records
 are appended and flushed one by one, so a rerun skips what is there and a killed run loses at most the
@@ -30,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.loading import eos_token_ids
-from draftsmith.train.corpus.conversations import Message
+from draftsmith.train.corpus.conversations import Message, with_system
 from draftsmith.train.corpus.generate import (
     batching_config,
     generate_replies,
@@ -39,6 +44,10 @@ from draftsmith.train.corpus.generate import (
 )
 from draftsmith.train.corpus.prompts import read_done, source_conversations, take_shard
 from draftsmith.train.corpus.tokens import chat_text, check_chat_template
+
+REASONING = ("keep", "strip")
+"""What ``regenerate`` saves of a reasoning model's ``<think>`` block: all of it, or none."""
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 BATCHING = ("auto", "continuous", "static")
 """``regenerate``'s ``batching`` choices: ``auto`` picks continuous on an accelerator, static on the CPU."""
@@ -59,18 +68,50 @@ class RegenerateStats:
     """conversations stopped early because the prompt outgrew max_prompt_tokens"""
     left_for_later: int = 0
     """conversations not started because ``max_seconds`` ran out (a rerun does them)"""
+    refused: int = 0
+    """conversations left out because a server refused a request of theirs (HTTP 4xx; see ``served.py``)"""
+
+
+def thinking_left_open(reply: str) -> bool:
+    """The reply opens a thinking block and never closes it: it was cut while thinking."""
+    return reply.lstrip().startswith(THINK_OPEN) and THINK_CLOSE not in reply
+
+
+def strip_thinking(reply: str) -> str:
+    """The reply without its thinking block: the answer after ``</think>``, or nothing when the thinking
+    was never closed. A block opened by the generation prompt (no ``<think>`` in the reply) counts too."""
+    if thinking_left_open(reply):
+        return ""
+    head, closed, answer = reply.partition(THINK_CLOSE)
+    if not closed or (THINK_OPEN in head and not head.lstrip().startswith(THINK_OPEN)):
+        return reply  # no thinking block, or a "<think>" that is part of the answer
+    return answer.lstrip()
 
 
 class Dialogue:
-    """One conversation being rewritten: walks the source turns, asks for a reply where one is due."""
+    """One conversation being rewritten: walks the source turns, asks for a reply where one is due.
 
-    def __init__(self, source_id: str, source: list[Message]):
+    ``system`` is put first when the conversation has no system message; ``template_args`` go to the chat
+    template; ``reasoning`` (``REASONING``) says what of a reply's thinking is saved."""
+
+    def __init__(
+        self,
+        source_id: str,
+        source: list[Message],
+        reasoning: str = "keep",
+        system: str | None = None,
+        template_args: dict | None = None,
+    ):
+        if reasoning not in REASONING:
+            raise ValueError(f"reasoning {reasoning!r}: choose one of {', '.join(REASONING)}")
         self.source_id = source_id
-        self.source = source
+        self.source = with_system(source, system)
+        self.reasoning, self.template_args = reasoning, template_args
         self.pos = 0
         self.out: list[Message] = []
         self.done = False
         self.cut_replies: list[int] = []
+        self.cut_thinking: list[int] = []
         self.cut = False
 
     def next_prompt(self) -> list[Message] | None:
@@ -80,23 +121,29 @@ class Dialogue:
         while self.pos < len(self.source):
             message = self.source[self.pos]
             self.pos += 1
-            if message["role"] != "assistant":
-                self.out.append(dict(message))
+            if message["role"] != "assistant" or message.get("tool_calls"):
+                self.out.append(dict(message))  # context; a tool call is kept for the results that follow it
             elif self.out and self.out[-1]["role"] != "assistant":
                 return self.out  # further assistant turns in a row are replaced by this one reply
         self.done = True
-        return self.out if self.out and self.out[-1]["role"] == "user" else None
+        return self.out if self.out and self.out[-1]["role"] in ("user", "tool") else None
 
     def answer(self, reply: str, finished: bool) -> None:
         if not finished:
             self.cut_replies.append(len(self.out))
+        if thinking_left_open(reply):
+            self.cut_thinking.append(len(self.out))
+        if self.reasoning == "strip":
+            reply = strip_thinking(reply)
         self.out.append({"role": "assistant", "content": reply})
 
     def next_ids(self, tokenizer, max_prompt_tokens: int | None) -> list[int] | None:
         """The token ids of the next prompt (rendered with the chat template, generation prompt added), or
         None once the dialogue is done: over, or stopped because its prompt outgrew ``max_prompt_tokens``."""
         while (messages := self.next_prompt()) is not None:
-            text = chat_text(tokenizer, messages, add_generation_prompt=True)
+            text = chat_text(
+                tokenizer, messages, add_generation_prompt=True, template_args=self.template_args
+            )
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if max_prompt_tokens is None or len(ids) <= max_prompt_tokens:
                 return ids
@@ -116,6 +163,8 @@ class Dialogue:
         if self.cut_replies:
             rec["truncated_replies"] = len(self.cut_replies)
             rec["cut_replies"] = self.cut_replies
+        if self.cut_thinking:
+            rec["cut_thinking"] = self.cut_thinking
         if self.cut:
             rec["prompt_too_long"] = True
         if generator:
@@ -139,6 +188,9 @@ def regenerate(
     max_seconds: float | None = None,
     shard: tuple[int, int] | None = None,
     generator: dict | None = None,
+    reasoning: str = "keep",
+    system: str | None = None,
+    template_args: dict | None = None,
 ) -> RegenerateStats:
     """Rewrite the assistant turns of the conversations in ``paths`` with ``model``; append to ``out``.
 
@@ -147,7 +199,8 @@ def regenerate(
     ``batch_size``: conversations in flight at once; ``batching``: ``auto``, ``continuous`` or ``static``.
     ``max_seconds``: start no conversation after this long (those in flight finish); a rerun resumes.
     ``shard=(i, n)``: only the i-th of n disjoint shards of the input (``prompts.take_shard``).
-    ``generator`` (engine, weights) is written into every record.
+    ``generator`` (engine, weights) is written into every record. ``reasoning``, ``system`` and
+    ``template_args``: see ``Dialogue``.
     """
     if batching not in BATCHING:
         raise ValueError(f"batching {batching!r}: choose one of {', '.join(BATCHING)}")
@@ -206,7 +259,7 @@ def regenerate(
             stats.tokens += len(reply_ids) + finished
             stats.truncated_replies += not finished
 
-        dialogues = [Dialogue(sid, msgs) for sid, msgs in todo]
+        dialogues = [Dialogue(sid, msgs, reasoning, system, template_args) for sid, msgs in todo]
         deadline = None if max_seconds is None else time.perf_counter() + max_seconds
 
         def more() -> bool:

@@ -11,7 +11,9 @@ slot is a thread that takes the next conversation in input order and asks for it
 Finished conversations are written in input order (held back until the ones before them are written),
 appended and flushed one by one, so a killed run resumes after the last written row with every row once,
 in order. A server that stops answering is retried with backoff; after the last try the run stops, what
-was written stays, and the error says how to resume.
+was written stays, and the error says how to resume. A request the server refuses (HTTP 4xx: a prompt too
+long for it, say) costs only its conversation: that one goes to the errors file beside the output
+(``errors_path``) with the reason, and the job goes on; a rerun tries it again.
 """
 
 from __future__ import annotations
@@ -26,10 +28,17 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from draftsmith.loading import resolve_device, resolve_dtype, resolve_model_path, target_tokenizer
-from draftsmith.openai_client import CompletionServer, ServerError, check_server
+from draftsmith.openai_client import CompletionServer, RequestRefused, ServerError, check_server
 from draftsmith.train.corpus.prompts import read_done, source_conversations, take_shard
 from draftsmith.train.corpus.regenerate import Dialogue, RegenerateStats
 from draftsmith.train.corpus.tokens import check_chat_template
+
+
+def errors_path(out: str | Path) -> Path:
+    """Where the conversations a server refused are listed: beside ``out``, named so that no pattern of
+    output files (``part-*.jsonl``) takes it for data."""
+    out = Path(out)
+    return out.with_name(out.name + ".errors")
 
 
 def regenerate_served(
@@ -49,14 +58,18 @@ def regenerate_served(
     progress: bool = True,
     resume_hint: str = "run the same command again",
     max_seconds: float | None = None,
+    reasoning: str = "keep",
+    system: str | None = None,
+    template_args: dict | None = None,
 ) -> RegenerateStats:
     """Rewrite the assistant turns of the conversations in ``paths`` with replies from ``servers``; append
-    to ``out`` in input order.
+    to ``out`` in input order; a conversation with a refused request goes to ``errors_path(out)`` instead.
 
     ``in_flight``: requests at once per server. ``shard=(i, n)``: only conversations whose index in the
     input is i modulo n (so n jobs write disjoint files). ``generator`` (engine, weights, ...) is written
     into every record. ``max_prompt_tokens`` defaults to the smallest server context less max_new_tokens.
     ``max_seconds``: start no conversation after this long (those in flight finish); a rerun goes on.
+    ``reasoning``, ``system`` and ``template_args``: see ``Dialogue``.
     """
     if not servers:
         raise ValueError("no server given")
@@ -76,10 +89,10 @@ def regenerate_served(
     out = Path(out)
     done = read_done(out)
     sources = take_shard(source_conversations(paths, limit), shard)
-    todo = [Dialogue(sid, msgs) for sid, msgs in sources if sid not in done]
+    todo = [Dialogue(sid, msgs, reasoning, system, template_args) for sid, msgs in sources if sid not in done]
     stats = RegenerateStats(already_done=len(sources) - len(todo))
     lock = threading.Lock()
-    finished: dict[int, Dialogue] = {}
+    finished: dict[int, Dialogue | dict] = {}  # a dict: the error line of a refused conversation
     failure: list[BaseException] = []
     next_index = iter(range(len(todo)))
     deadline = None if max_seconds is None else time.perf_counter() + max_seconds
@@ -108,6 +121,12 @@ def regenerate_served(
                         stats.replies += 1
                         stats.tokens += reply.tokens
                         stats.truncated_replies += not reply.finished
+            except RequestRefused as err:
+                refusal = {"source_id": dialogue.source_id, "turn": len(dialogue.out), "status": err.status,
+                           "reason": err.reason, "server": server.url}  # fmt: skip
+                with lock:
+                    finished[i] = refusal
+                continue
             except BaseException as err:  # noqa: BLE001 (handed to the main thread, which raises it)
                 with lock:
                     failure.append(err)
@@ -130,12 +149,17 @@ def regenerate_served(
                     dialogue = finished.pop(written, None)
                 if dialogue is None:
                     return
+                written += 1
+                bar.update(1)
+                if isinstance(dialogue, dict):
+                    with errors_path(out).open("a", encoding="utf-8") as errors:
+                        errors.write(json.dumps(dialogue, ensure_ascii=False) + "\n")
+                    stats.refused += 1
+                    continue
                 f.write(json.dumps(dialogue.record(generator), ensure_ascii=False) + "\n")
                 f.flush()
-                written += 1
                 stats.written += 1
                 stats.cut_conversations += dialogue.cut
-                bar.update(1)
 
         for thread in threads:
             thread.start()
@@ -143,7 +167,7 @@ def regenerate_served(
             flush()
             time.sleep(0.05)
         flush()
-    stats.left_for_later = len(sources) - stats.already_done - stats.written
+    stats.left_for_later = len(sources) - stats.already_done - stats.written - stats.refused
     if failure:
         err = failure[0]
         raise ServerError(
@@ -233,5 +257,6 @@ def run_served(args, engine: str, shard: tuple[int, int] | None) -> tuple[Regene
             limit=args.limit, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, shard=shard,
             generator=generator, resume_hint=resume,
             max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
+            reasoning=args.reasoning, system=args.system, template_args=args.template_args,
         )  # fmt: skip
     return stats, name

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,23 +18,34 @@ import datasets
 import torch
 
 from draftsmith.loading import tokenizer_fingerprint
-from draftsmith.train.corpus.conversations import Message, load_conversations
+from draftsmith.train.corpus.conversations import Message, load_conversations, restored, with_system
 from draftsmith.train.objective import Batch
 
 logger = logging.getLogger(__name__)
 
 
 def render(
-    messages: Sequence[Message], tokenizer, max_length: int, cut_replies: Sequence[int] = ()
-) -> dict[str, list[int]]:
-    """Tokenize one conversation with the tokenizer's chat template; mask = assistant content + end of turn.
+    messages: Sequence[Message],
+    tokenizer,
+    max_length: int,
+    cut_replies: Sequence[int] = (),
+    template_args: dict | None = None,
+) -> list[dict[str, list[int]]]:
+    """Tokenize one conversation with the tokenizer's chat template: rows of input_ids and a loss mask on
+    what the target generates in each assistant turn (its content, or the whole turn the template renders
+    after the generation prompt, tool calls and thinking included) and the end-of-turn token after it.
 
     For assistant message i, the template's text for ``messages[:i]`` with the generation prompt is where
-    the reply starts, and its text for ``messages[:i + 1]`` is where the turn ends; the content is
-    located inside that span, and the token right after it is masked too when it is a special token
-    (``<|im_end|>``, ``<|eot_id|>``, ``</s>``: the draft must learn to stop) — except after the replies in
-    ``cut_replies``, which were cut at a token budget: the template closes them, the target never did.
-    Truncated to max_length.
+    the reply starts, and its text for ``messages[:i + 1]`` is where the turn ends; the token right after
+    the content is masked too when it is a special token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``: the
+    draft must learn to stop) — except after the replies in ``cut_replies``, which were cut at a token
+    budget: the template closes them, the target never did.
+
+    The first row is the whole conversation, its turns masked where the template renders them as it did
+    when they were the last. A template that rewrites earlier turns once later ones follow (Qwen3 strips
+    the thinking of earlier replies) renders those turns otherwise in context; each such turn gets a row
+    of its own, the conversation through it, so the loss is on what the target generated there. Every row
+    is truncated to max_length. ``template_args`` go to the template (``enable_thinking``).
     """
     check_chat_template(tokenizer)
     if not messages:
@@ -43,43 +55,92 @@ def render(
             "conversation starts with an assistant message: nothing prompts it, so the template gives no "
             "place where the reply starts; drop leading assistant turns (load_conversations does)"
         )
-    text = chat_text(tokenizer, messages)
-    try:
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    except NotImplementedError as err:
-        raise ValueError(f"{_name(tokenizer)} gives no character offsets; use a fast tokenizer") from err
-    input_ids = list(enc["input_ids"][:max_length])
-    offsets = [tuple(o) for o in enc["offset_mapping"][: len(input_ids)]]
-    starts = [s for s, _ in offsets]
-    kept_chars = offsets[-1][1] if offsets else 0
-    special = _special_ids(tokenizer)
-    loss_mask = [0] * len(input_ids)
+    text = chat_text(tokenizer, messages, template_args=template_args)
+    whole = _Row(text, tokenizer, max_length)
+    own_rows = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = chat_text(tokenizer, messages[:i], add_generation_prompt=True)
-        if len(before) >= kept_chars:
-            break  # the rest lies past the truncation
-        through = chat_text(tokenizer, messages[: i + 1])
-        if not (text.startswith(through) and through.startswith(before)):
-            raise ValueError(
-                f"the chat template of {_name(tokenizer)} renders earlier turns differently once later turns "
-                "are added, so message positions cannot be read from prefix renders; render these "
-                "conversations with a template whose output for a prefix is a prefix of the whole"
-            )
-        start, stop = _locate(message["content"], through, len(before), i)
+        before = chat_text(tokenizer, messages[:i], add_generation_prompt=True, template_args=template_args)
+        through = chat_text(tokenizer, messages[: i + 1], template_args=template_args)
+        if not through.startswith(before):
+            raise ValueError(_unreconciled(tokenizer, i, before, through))
+        row = whole if text.startswith(through) else _Row(through, tokenizer, max_length)
+        if len(before) < row.kept_chars:  # else the turn lies past the truncation
+            row.mask_turn(message, before, through, i, cut=i in cut_replies)
+            if row is not whole:
+                own_rows.append(row)
+    return [row.out() for row in (whole, *own_rows)]
+
+
+class _Row:
+    """One rendered text, tokenized and truncated, with the loss mask being filled turn by turn."""
+
+    def __init__(self, text: str, tokenizer, max_length: int):
+        try:
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError as err:
+            raise ValueError(f"{_name(tokenizer)} gives no character offsets; use a fast tokenizer") from err
+        self.input_ids = list(enc["input_ids"][:max_length])
+        self.offsets = [tuple(o) for o in enc["offset_mapping"][: len(self.input_ids)]]
+        self.starts = [s for s, _ in self.offsets]
+        self.kept_chars = self.offsets[-1][1] if self.offsets else 0
+        self.special = _special_ids(tokenizer)
+        self.loss_mask = [0] * len(self.input_ids)
+
+    def mask_turn(self, message: Message, before: str, through: str, index: int, cut: bool) -> None:
+        """Mask assistant message ``index``, which the template renders as ``through[len(before):]``."""
+        content = message["content"]
+        span = None if message.get("tool_calls") or not content else _locate(content, through, len(before))
+        if (
+            span is None
+        ):  # rewritten (thinking laid out anew) or more than content (tool calls): the whole turn
+            stop = len(through.rstrip())
+            last = self._token_at(stop - 1)
+            if (
+                last is not None
+                and self.input_ids[last] in self.special
+                and self.offsets[last][0] >= len(before)
+            ):
+                stop = self.offsets[last][0]  # the end-of-turn token: masked below unless the reply was cut
+            span = (len(before), stop)
+        start, stop = span
         # tokens overlapping [start, stop): a token that straddles the edge still carries content
-        j = bisect.bisect_left(starts, start)
-        while j > 0 and offsets[j - 1][1] > start:
+        j = bisect.bisect_left(self.starts, start)
+        while j > 0 and self.offsets[j - 1][1] > start:
             j -= 1
-        while j < len(input_ids) and offsets[j][0] < stop:
-            if offsets[j][1] > start:
-                loss_mask[j] = 1
+        while j < len(self.input_ids) and self.offsets[j][0] < stop:
+            if self.offsets[j][1] > start:
+                self.loss_mask[j] = 1
             j += 1
-        ends_turn = j < len(input_ids) and input_ids[j] in special and offsets[j][0] < len(through)
-        if ends_turn and i not in cut_replies:
-            loss_mask[j] = 1
-    return {"input_ids": input_ids, "loss_mask": loss_mask}
+        ends_turn = (
+            j < len(self.input_ids)
+            and self.input_ids[j] in self.special
+            and self.offsets[j][0] < len(through)
+        )
+        if ends_turn and not cut:
+            self.loss_mask[j] = 1
+
+    def _token_at(self, char: int) -> int | None:
+        """The index of the token covering character ``char``, or None past the truncation."""
+        j = bisect.bisect_right(self.starts, char) - 1
+        return j if 0 <= j < len(self.input_ids) and self.offsets[j][1] > char else None
+
+    def out(self) -> dict[str, list[int]]:
+        return {"input_ids": self.input_ids, "loss_mask": self.loss_mask}
+
+
+def _unreconciled(tokenizer, index: int, before: str, through: str) -> str:
+    """The refusal for a turn whose rendering does not continue the prompt it was generated from."""
+    at = next((k for k, (a, b) in enumerate(zip(before, through)) if a != b), min(len(before), len(through)))
+    lo = max(0, at - 40)
+    return (
+        f"turn {index} (assistant): the chat template of {_name(tokenizer)} renders the prompt that asks for it "
+        f"as ...{before[lo : at + 40]!r} but the conversation through it as ...{through[lo : at + 40]!r} (they "
+        f"part at character {at}), so where the reply starts cannot be found. Render with a template whose "
+        "generation prompt is the start of the turn it renders, or pass the template arguments the replies were "
+        "written with (data.template_args, e.g. enable_thinking)"
+    )
 
 
 def check_chat_template(tokenizer) -> None:
@@ -99,8 +160,13 @@ def build_dataset(
     pack: bool = False,
     limit: int | None = None,
     seed: int = 0,
+    system: str | None = None,
+    template_args: dict | None = None,
 ) -> datasets.Dataset:
     """Load, shuffle (seed), keep ``limit`` conversations, render; pack into rows of max_length if asked.
+
+    ``system`` is put first in every conversation that has no system message; ``template_args`` go to the
+    chat template (``enable_thinking``). A conversation may give more than one row (``render``).
 
     Columns: ``input_ids``, ``loss_mask``; packed rows add ``position_ids``, which restart at 0 at each
     conversation. Attention masks do not stop at those boundaries: a loop that must keep conversations
@@ -113,10 +179,25 @@ def build_dataset(
     convs = load_conversations(paths).shuffle(seed=seed)
     if limit is not None:
         convs = convs.select(range(min(limit, len(convs))))
-    key = f"{convs._fingerprint}|{tokenizer_fingerprint(tokenizer)}|{max_length}"
+    args = json.dumps(template_args or {}, sort_keys=True)
+    key = f"{convs._fingerprint}|{tokenizer_fingerprint(tokenizer)}|{max_length}|{system}|{args}"
+
+    def render_batch(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "loss_mask": []}
+        for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
+            messages = restored(row)
+            shift = len(with_system(messages, system)) - len(messages)
+            cut = [i + shift for i in row["cut_replies"]]
+            for part in render(with_system(messages, system), tokenizer, max_length, cut, template_args):
+                out["input_ids"].append(part["input_ids"])
+                out["loss_mask"].append(part["loss_mask"])
+        return out
+
     rendered = convs.map(
-        lambda row: render(row["messages"], tokenizer, max_length, row["cut_replies"]),
-        remove_columns=["messages", "cut_replies"],
+        render_batch,
+        batched=True,
+        batch_size=64,
+        remove_columns=convs.column_names,
         desc="render + mask",
         num_proc=1,
         new_fingerprint=_hash("render", key),
@@ -124,7 +205,7 @@ def build_dataset(
     kept = rendered.filter(lambda mask: any(mask), input_columns="loss_mask", desc="drop no-assistant")
     if len(kept) < len(rendered):
         logger.warning(
-            "skipped %d of %d conversations with no assistant tokens (none present, or all past max_length=%d)",
+            "skipped %d of %d rendered rows with no assistant tokens (none present, or all past max_length=%d)",
             len(rendered) - len(kept),
             len(rendered),
             max_length,
@@ -231,23 +312,27 @@ def count_tokens(dataset, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def chat_text(tokenizer, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
-    """The chat template's text for these messages (tokenize it with add_special_tokens=False)."""
+def chat_text(
+    tokenizer,
+    messages: Sequence[Message],
+    add_generation_prompt: bool = False,
+    template_args: dict | None = None,
+) -> str:
+    """The chat template's text for these messages (tokenize it with add_special_tokens=False);
+    ``template_args`` are the template's own variables (``enable_thinking``)."""
     return tokenizer.apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **(template_args or {})
     )
 
 
-def _locate(content: str, through: str, begin: int, index: int) -> tuple[int, int]:
-    """Character span of an assistant message's content inside its turn ``through[begin:]``."""
+def _locate(content: str, through: str, begin: int) -> tuple[int, int] | None:
+    """Character span of an assistant message's content inside its turn ``through[begin:]``; None when the
+    template rewrites it."""
     for needle in (content, content.strip()):
         at = through.find(needle, begin)
         if at >= 0:
             return at, at + len(needle)
-    raise ValueError(
-        f"message {index} (assistant): the chat template rewrites its content, so it cannot be found in the "
-        "rendered turn; the loss mask needs the content rendered verbatim (stripping whitespace is fine)"
-    )
+    return None
 
 
 def _special_ids(tokenizer) -> set[int]:
