@@ -200,11 +200,13 @@ def test_cli_passes_config_and_flags_to_the_loop(monkeypatch, at, flag):
     ((config, flags),) = calls
     assert config.trainer.max_steps == 3
     command = flags.pop("resume_command")  # what a preempted run prints: this run again, with --resume
+    rerun = flags.pop("rerun_command")  # ... and before its first checkpoint: this run again, without it
     assert flags == {
         name: f"--{name.replace('_', '-')}" == flag for name in ("resume", "overwrite", "force_resume")
     }
-    again = f"draftsmith train {CONFIGS[0]} --trainer.max_steps=3 --resume"
-    assert command == again + (" --force-resume" if flag == "--force-resume" else "")
+    again = f"draftsmith train {CONFIGS[0]} --trainer.max_steps=3"
+    assert command == again + " --resume" + (" --force-resume" if flag == "--force-resume" else "")
+    assert rerun == again + (" --overwrite" if flag == "--overwrite" else "")
 
 
 PRESETS = sorted((Path(__file__).resolve().parents[1] / "configs" / "presets").glob("*.yaml"))

@@ -45,7 +45,15 @@ from draftsmith.train.distributed import (
     resolve_auto_precision,
     target_device,
 )
-from draftsmith.train.faults import OutputLock, Preemption, disk_full_error
+from draftsmith.train.faults import (
+    OutputLock,
+    Preemption,
+    Stopped,
+    disk_full_error,
+    next_step,
+    stop_on_signals,
+    stopped_line,
+)
 from draftsmith.train.feature_cache import FeatureCache, build_feature_cache, collate_cached
 from draftsmith.train.module import DraftModule
 from draftsmith.train.preflight import preflight, record_recipe_change
@@ -183,6 +191,7 @@ def train(
     overwrite: bool = False,
     force_resume: bool = False,
     resume_command: str | None = None,
+    rerun_command: str | None = None,
     **trainer_overrides,
 ) -> TrainResult:
     """Run a whole training from a config: data, (offline cache), objective, fit, final validation, export.
@@ -192,7 +201,9 @@ def train(
     folder; ``force_resume`` resumes although the recipe changed in a way that can break exact resume.
     The output folder is locked for the run (``train/faults.py``); SIGTERM, SIGUSR1 and SIGINT save a
     checkpoint at the next step and stop with 128 + the signal, printing ``resume_command`` (default:
-    ``draftsmith train <output.dir>/config.yaml --resume``).
+    ``draftsmith train <output.dir>/config.yaml --resume``); outside the training steps they stop at once.
+    A stop or a full disk before the first checkpoint prints ``rerun_command`` instead (default:
+    ``draftsmith train <output.dir>/config.yaml``), the command that works then.
     """
     output_dir = Path(config.output.dir)
     check_strategy(config.trainer)
@@ -209,18 +220,31 @@ def train(
     resume_command = (
         resume_command or f"draftsmith train {shlex.quote(str(output_dir / 'config.yaml'))} --resume"
     )
-    with OutputLock(output_dir) if rank == 0 else contextlib.nullcontext():  # one job per folder
-        return _train_locked(
-            config,
-            resume,
-            target,
-            overwrite,
-            force_resume,
-            resume_command,
-            rank,
-            world_size,
-            trainer_overrides,
-        )
+    cache_dir = Path(config.cache.dir) if config.cache.dir else output_dir / "feature_cache"
+    try:
+        with stop_on_signals(), OutputLock(output_dir) if rank == 0 else contextlib.nullcontext():
+            return _train_locked(
+                config,
+                resume,
+                target,
+                overwrite,
+                force_resume,
+                resume_command,
+                rank,
+                world_size,
+                trainer_overrides,
+            )
+    except Stopped as stop:  # outside the training steps: say what is kept and what goes on from it
+        if rank == 0:
+            print(stopped_line(stop.signum, *next_step(output_dir, resume_command, rerun_command, cache_dir)),
+                  flush=True)  # fmt: skip
+        raise
+    except (OSError, RuntimeError) as err:
+        kept, go_on = next_step(output_dir, resume_command, rerun_command, cache_dir)
+        full = disk_full_error(err, output_dir, kept, go_on)
+        if full is None:
+            raise
+        raise full from err
 
 
 def _train_locked(
@@ -290,11 +314,6 @@ def _train_locked(
         if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
             trainer.validate(module, val_loader, verbose=False)  # final τ for the final weights (and export)
         trainer.save_checkpoint(last, weights_only=False)  # all of it, and quietly
-    except (OSError, RuntimeError) as err:
-        full = disk_full_error(err, output_dir, last_checkpoint(output_dir), resume_command)
-        if full is None:
-            raise
-        raise full from err
     finally:
         preemption.restore()
     val = {k: v for k, v in module.val_history[-1].items() if k not in ("step", "histogram")}
