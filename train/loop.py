@@ -143,10 +143,14 @@ class TrainResult:
 def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Trainer:
     t = config.trainer
     callbacks = [
-        ModelCheckpoint(
+        ModelCheckpoint(  # last.ckpt, and the last keep_checkpoints step checkpoints beside it
             dirpath=output_dir / CHECKPOINT_DIR,
+            filename="step-{step:07d}",
+            auto_insert_metric_name=False,
+            monitor="step" if t.keep_checkpoints else None,
+            mode="max",
             every_n_train_steps=t.ckpt_every,
-            save_top_k=0,
+            save_top_k=t.keep_checkpoints,
             save_last=True,
             enable_version_counter=False,
         ),

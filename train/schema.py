@@ -141,6 +141,9 @@ class TrainerConfig:
     """Chain length k of the simulated acceptance at validation."""
     ckpt_every: PositiveInt = 500
     """Write a resumable checkpoint every this many optimizer steps."""
+    keep_checkpoints: NonNegativeInt = 0
+    """Besides checkpoints/last.ckpt, keep the last this many of those step checkpoints as
+    checkpoints/step-NNNNNNN.ckpt (0 = last.ckpt alone); older ones are deleted as new ones land."""
     log_every: PositiveInt = 10
     """Log training metrics every this many optimizer steps."""
     precision: str = "32-true"
