@@ -208,3 +208,38 @@ def test_a_checkpoint_is_fsynced_before_its_rename_and_its_folder_after(monkeypa
     assert dst == str(path)
     assert events.index(("fsync", tmp)) < events.index(("rename", tmp, dst)) < events.index(("fsync", str(path.parent)))
     assert torch.equal(torch.load(path, weights_only=True)["state_dict"]["w"], torch.ones(3))
+
+
+def test_loggers_are_chosen_in_the_recipe(tiny_target_dir, uniform_conversations, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    train(make_config(tiny_target_dir, uniform_conversations, out, "--trainer.max_steps=2",
+                      "--trainer.loggers=csv"), **QUIET)  # fmt: skip
+    assert list((out / "logs").rglob("metrics.csv")) and not (out / "tensorboard").exists()
+
+
+def test_a_logger_that_is_not_installed_is_refused_before_anything_is_written(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    from draftsmith.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data: {paths: [builtin:gsm8k_train]}\n")
+    out = tmp_path / "run"
+    assert main(["train", str(recipe), f"--output.dir={out}", "--trainer.loggers=[csv, wandb]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "pip install wandb" in err and "trainer.loggers" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name, folder", [("wandb", "wandb"), ("mlflow", "mlruns")])
+def test_wandb_and_mlflow_log_offline_where_installed(name, folder, monkeypatch, tiny_target_dir,
+                                                      uniform_conversations, tmp_path):  # noqa: F811 # fmt: skip
+    pytest.importorskip(name, reason=f"{name} is not installed here (an optional logger, not a dependency)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "run"
+    train(make_config(tiny_target_dir, uniform_conversations, out, "--trainer.max_steps=2",
+                      f"--trainer.loggers=[{name}]"), **QUIET)  # fmt: skip
+    assert any((out / folder).rglob("*")), f"{name} wrote nothing under {out / folder}"

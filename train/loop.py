@@ -22,7 +22,6 @@ import lightning as L
 import torch
 import yaml
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
@@ -55,6 +54,7 @@ from draftsmith.train.faults import (
     stopped_line,
 )
 from draftsmith.train.feature_cache import FeatureCache, build_feature_cache, collate_cached
+from draftsmith.train.loggers import build_loggers, where
 from draftsmith.train.module import DraftModule
 from draftsmith.train.preflight import preflight, record_recipe_change
 from draftsmith.train.progress import StepProgress
@@ -138,6 +138,8 @@ class TrainResult:
     steps: int
     val: dict[str, float]
     """The last validation: tau, acc_pos_i."""
+    loggers: tuple[str, ...] = ("csv", "tensorboard")
+    """Where the metrics went (``trainer.loggers``)."""
 
 
 def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Trainer:
@@ -175,7 +177,7 @@ def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Traine
         devices=t.devices,
         strategy=build_strategy(t),
         default_root_dir=output_dir,
-        logger=[CSVLogger(output_dir, name="logs"), TensorBoardLogger(output_dir, name="tensorboard")],
+        logger=build_loggers(t.loggers, output_dir) or False,
         callbacks=callbacks,
         plugins=[AtomicCheckpointIO()],
         num_sanity_val_steps=1,
@@ -322,8 +324,9 @@ def _train_locked(
         preemption.restore()
     val = {k: v for k, v in module.val_history[-1].items() if k not in ("step", "histogram")}
     result = TrainResult(
-        output_dir, output_dir / DRAFT_DIR, last_checkpoint(output_dir), trainer.global_step, val
-    )
+        output_dir, output_dir / DRAFT_DIR, last_checkpoint(output_dir), trainer.global_step, val,
+        tuple(config.trainer.loggers),
+    )  # fmt: skip
     if trainer.is_global_zero:
         print_summary(result)
     preemption.after_run()  # a signal during the final validation or export: saved, yet not exit 0
@@ -339,6 +342,6 @@ def print_summary(result: TrainResult) -> None:
         f" (acceptance by position: {rates})\n"
         f"  draft:      {result.draft_dir}   (draftsmith eval --draft {result.draft_dir})\n"
         f"  checkpoint: {result.checkpoint}   (continue with --resume)\n"
-        f"  logs:       {result.output_dir / 'logs'} (CSV), {result.output_dir / 'tensorboard'} (TensorBoard)",
+        f"  logs:       {where(result.loggers, result.output_dir)}",
         flush=True,
     )

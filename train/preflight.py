@@ -14,6 +14,7 @@ import yaml
 from draftsmith import files
 from draftsmith.sources import check_source
 from draftsmith.train.checkpoint import CHECKPOINT_DIR, DRAFT_DIR, LAST, last_checkpoint
+from draftsmith.train.loggers import check_loggers
 from draftsmith.train.registry import check_objective_options
 from draftsmith.train.schema import TrainConfig, to_dict
 
@@ -82,6 +83,7 @@ def preflight(config: TrainConfig, resume: bool, overwrite: bool, force_resume: 
     for spec in paths:
         check_source(spec, "data.regenerated" if d.regenerated else "data.paths entry")
     check_objective_options(config.draft.kind, config.draft.options)
+    check_loggers(config.trainer.loggers)
     if not resume or not (output_dir / "config.yaml").is_file():
         return {}
     saved = yaml.safe_load((output_dir / "config.yaml").read_text()) or {}

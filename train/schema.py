@@ -37,6 +37,11 @@ Paths = Annotated[list[str], BeforeValidator(lambda v: [v] if isinstance(v, str)
 """A list of paths; a single path is a list of one."""
 Options = Annotated[dict[str, Any], BeforeValidator(lambda v: {} if v is None else v)]
 """Free options; an empty YAML entry (``options:``) is none."""
+Loggers = Annotated[
+    list[Literal["csv", "tensorboard", "wandb", "mlflow"]],
+    BeforeValidator(lambda v: [] if v is None else [v] if isinstance(v, str) else v),
+]
+"""Lightning loggers by name; one name is a list of one."""
 Beta = Annotated[float, Field(ge=0, lt=1)]
 """An Adam beta: a decay rate in [0, 1)."""
 Fraction = Annotated[float, Field(ge=0, le=1)]
@@ -166,6 +171,9 @@ class TrainerConfig:
     """Recompute the draft's decoder-layer activations in the backward pass: less memory, more compute."""
     num_workers: NonNegativeInt = 0
     """DataLoader worker processes."""
+    loggers: Loggers = field(default_factory=lambda: ["csv", "tensorboard"])
+    """Where metrics go, any of csv (<output.dir>/logs), tensorboard, wandb, mlflow (<output.dir>/mlruns or
+    MLFLOW_TRACKING_URI); W&B and MLflow need their package installed (pip install wandb / mlflow)."""
 
 
 @dataclass(config=SECTION)
