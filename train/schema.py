@@ -239,6 +239,10 @@ def _type_name(tp: Any) -> str:
         return _type_name(args[0]) + _bounds([m for a in args[1:] for m in getattr(a, "metadata", [a])])
     if origin is Literal:
         return "|".join(str(a) for a in args)
+    if origin is list:
+        return f"list[{_type_name(args[0])}]"
+    if origin is tuple:
+        return f"({', '.join(_type_name(a) for a in args)})"
     if origin in (typing.Union, types.UnionType):
         return "|".join("null" if a is type(None) else _type_name(a) for a in args)
     if isinstance(tp, type) and origin is None:
