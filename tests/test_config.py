@@ -44,7 +44,7 @@ def test_every_key_has_help_text():
     text = describe()
     assert "trainer.max_steps" in text and "Optimizer steps to train for." in text and "draft.options" in text
     # types read as a user writes them, not as typing spells them
-    assert "mode  (online|offline, default 'online')" in text and "data.limit  (int|null," in text
+    assert "mode  (online|offline, default 'online')" in text and "data.limit  (int > 0|null," in text
     assert "Literal[" not in text and "Optional[" not in text
 
 
@@ -103,6 +103,40 @@ def test_resolved_config_round_trips(tmp_path):
 def test_bad_overrides_are_named(args, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, [PATHS, *args])
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("--optim.lr=-1", r"optim.lr=-1: Input should be greater than 0"),
+        ("--optim.lr=0", r"optim.lr=0: Input should be greater than 0"),
+        ("--optim.betas=[0.9, 1.0]", r"optim.betas\[1\]=1.0: Input should be less than 1"),
+        ("--optim.betas=[-0.1, 0.9]", r"optim.betas\[0\]=-0.1: Input should be greater than or equal to 0"),
+        ("--optim.weight_decay=-0.01", r"optim.weight_decay=-0.01: Input should be greater than or equal to 0"),
+        ("--optim.warmup_steps=-5", r"optim.warmup_steps=-5: Input should be greater than or equal to 0"),
+        ("--optim.min_lr_ratio=1.5", r"optim.min_lr_ratio=1.5: Input should be less than or equal to 1"),
+        ("--optim.grad_clip=0", r"optim.grad_clip=0: Input should be greater than 0"),
+        ("--data.max_length=0", r"data.max_length=0: Input should be greater than 0"),
+        ("--data.limit=-1", r"data.limit=-1: Input should be greater than 0"),
+        ("--data.seed=-1", r"data.seed=-1: Input should be greater than or equal to 0"),
+        ("--trainer.seed=-3", r"trainer.seed=-3: Input should be greater than or equal to 0"),
+        ("--trainer.num_workers=-1", r"trainer.num_workers=-1: Input should be greater than or equal to 0"),
+        ("--trainer.batch_size=0", r"trainer.batch_size=0: Input should be greater than 0"),
+        ("--cache.batch_size=0", r"cache.batch_size=0: Input should be greater than 0"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_naming_the_key_and_the_range(arg, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [PATHS, arg])
+
+
+def test_a_negative_learning_rate_fails_before_anything_is_written(tmp_path, capsys):
+    recipe = write(tmp_path, "data: {paths: [builtin:gsm8k_train]}\n")
+    out = tmp_path / "run"
+    assert main(["train", str(recipe), f"--output.dir={out}", "--optim.lr=-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "optim.lr=-1: Input should be greater than 0" in err
+    assert not out.exists()
 
 
 def test_unknown_yaml_key_is_named(tmp_path):
@@ -166,11 +200,13 @@ def test_cli_passes_config_and_flags_to_the_loop(monkeypatch, at, flag):
     ((config, flags),) = calls
     assert config.trainer.max_steps == 3
     command = flags.pop("resume_command")  # what a preempted run prints: this run again, with --resume
+    rerun = flags.pop("rerun_command")  # ... and before its first checkpoint: this run again, without it
     assert flags == {
         name: f"--{name.replace('_', '-')}" == flag for name in ("resume", "overwrite", "force_resume")
     }
-    again = f"draftsmith train {CONFIGS[0]} --trainer.max_steps=3 --resume"
-    assert command == again + (" --force-resume" if flag == "--force-resume" else "")
+    again = f"draftsmith train {CONFIGS[0]} --trainer.max_steps=3"
+    assert command == again + " --resume" + (" --force-resume" if flag == "--force-resume" else "")
+    assert rerun == again + (" --overwrite" if flag == "--overwrite" else "")
 
 
 PRESETS = sorted((Path(__file__).resolve().parents[1] / "configs" / "presets").glob("*.yaml"))

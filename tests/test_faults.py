@@ -22,20 +22,14 @@ from draftsmith.train.checkpoint import last_checkpoint
 from draftsmith.train.faults import LOCK_NAME, FolderInUseError, OutputLock
 
 
-def start_paused(folder: Path, step: int, *args) -> tuple[subprocess.Popen, Path]:
-    """A worker (``*args``: its arguments) that has finished optimizer step ``step`` and waits there until
-    the returned release file exists."""
+def start_paused(folder: Path, step: int | str, *args) -> tuple[subprocess.Popen, Path]:
+    """A worker (``*args``: its arguments) that has finished optimizer step ``step`` (or, given a name such
+    as ``load_target`` or ``build_feature_cache:2``, is about to make that call of the loop) and waits there
+    until the returned release file exists."""
     marker, release = folder / "at_step", folder / "release"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-    cmd = [
-        sys.executable,
-        str(WORKER),
-        *map(str, args),
-        "--pause-at-step",
-        str(step),
-        str(marker),
-        str(release),
-    ]
+    pause = ["--pause-before", step] if isinstance(step, str) else ["--pause-at-step", str(step)]
+    cmd = [sys.executable, str(WORKER), *map(str, args), *pause, str(marker), str(release)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 600
     while not marker.exists():
@@ -82,6 +76,52 @@ def test_a_signal_saves_at_the_next_step_says_how_to_resume_and_never_exits_0(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = final_weights(out)
     assert all(torch.equal(after[k], straight[k]) for k in straight), "resume after the signal is not exact"
+
+
+def stop_line(proc: subprocess.Popen, sig: signal.Signals) -> str:
+    """The one line a worker stopped by ``sig`` printed (its exit code checked: 128 + the signal)."""
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 128 + sig, f"rc {proc.returncode}\n{stdout[-2000:]}\n{stderr[-3000:]}"
+    lines = [line for line in stdout.splitlines() if line.startswith(f"[draftsmith] {sig.name}:")]
+    assert len(lines) == 1, f"{stdout[-2000:]}\n{stderr[-3000:]}"
+    return lines[0]
+
+
+def test_a_signal_during_the_offline_capture_says_a_plain_rerun_goes_on_which_reuses_the_shards(
+    tiny_target_dir,
+    uniform_conversations,
+    straight,
+    tmp_path,  # noqa: F811
+):
+    out = tmp_path / "run"
+    offline = (*RUN, "--mode=offline")
+    proc, release = start_paused(tmp_path, "build_feature_cache:2", tiny_target_dir, uniform_conversations,
+                                 out, *offline)  # fmt: skip
+    proc.send_signal(signal.SIGTERM)  # the training rows are cached, the held-out ones not yet
+    release.touch()
+    line = stop_line(proc, signal.SIGTERM)
+    shards = sorted((out / "feature_cache" / "train").glob("shard-*.safetensors"))
+    assert shards and f"reusing the {len(shards)} finished feature-cache shards" in line, line
+    assert line.endswith(f"start again with: draftsmith train {out / 'config.yaml'}"), line
+    assert last_checkpoint(out) is None  # so --resume, which the old line led to, has nothing to resume
+    written = {path: path.stat().st_mtime_ns for path in shards}
+    rerun = run_worker(tiny_target_dir, uniform_conversations, out, *offline, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert {path: path.stat().st_mtime_ns for path in shards} == written  # reused, not computed again
+
+
+def test_a_signal_while_the_target_loads_says_so_in_one_line_and_leaves_nothing(
+    tiny_target_dir,
+    uniform_conversations,
+    tmp_path,  # noqa: F811
+):
+    out = tmp_path / "run"
+    proc, release = start_paused(tmp_path, "load_target", tiny_target_dir, uniform_conversations, out, *RUN)
+    proc.send_signal(signal.SIGTERM)
+    release.touch()
+    line = stop_line(proc, signal.SIGTERM)
+    assert "no checkpoint had been saved yet" in line and "start again with the same command, without --resume" in line
+    assert not out.exists()  # nothing had been written: the folder went with its lock
 
 
 def test_a_second_job_in_the_same_folder_is_refused_naming_the_first(
@@ -156,6 +196,29 @@ def test_a_full_disk_says_so_keeps_the_last_checkpoint_and_resumes_once_freed(
     filler.unlink()
     resumed = run_worker(tiny_target_dir, uniform_conversations, out, *RUN, "--resume", timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = final_weights(out)
+    assert all(torch.equal(after[k], straight[k]) for k in straight)
+
+
+def test_a_full_disk_before_the_first_checkpoint_gives_the_rerun_that_works(
+    tiny_target_dir,
+    uniform_conversations,
+    straight,
+    small_disk,  # noqa: F811
+):
+    out, filler = small_disk / "run", small_disk / "filler"
+    proc = run_worker(
+        tiny_target_dir, uniform_conversations, out, *RUN, "--fill-disk-at-step", "1", filler, timeout=600
+    )
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "No space left on device while writing into" in last, proc.stderr[-3000:]
+    assert "no checkpoint had been saved yet, so a rerun starts over" in last
+    assert last.endswith(f"Free some space and start again with: draftsmith train {out / 'config.yaml'}"), last
+    assert last_checkpoint(out) is None and not list((out / "checkpoints").glob(".*tmp*"))
+    filler.unlink()
+    rerun = run_worker(tiny_target_dir, uniform_conversations, out, *RUN, timeout=600)  # the command, run
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
     after = final_weights(out)
     assert all(torch.equal(after[k], straight[k]) for k in straight)
 

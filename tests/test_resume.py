@@ -141,3 +141,105 @@ def test_sampler_global_batches_are_the_same_on_any_world_size():
     assert epoch_rows(resumed) == one[12:]
     with pytest.raises(ValueError, match="do not fill one batch"):
         len(ResumableSampler(3, batch_size=2, rank=0, world_size=2))
+
+
+def test_checkpoints_leave_out_the_frozen_target_weights_and_refuse_another_target(
+    tiny_target_dir, uniform_conversations, tmp_path  # noqa: F811
+):
+    from tiny import tiny_model, tiny_tokenizer
+
+    out = tmp_path / "run"
+    eagle = ("--draft.kind=eagle3", "--draft.options.ttt_steps=1", "--draft.options.draft_vocab_size=64",
+             "--trainer.max_steps=2", "--trainer.ckpt_every=1", "--trainer.val_every=2")  # fmt: skip
+    train(make_config(tiny_target_dir, uniform_conversations, out, *eagle), **QUIET)
+    saved = torch.load(last_checkpoint(out), weights_only=True)
+    assert "draft.embed_tokens.weight" not in saved["state_dict"]  # the target's own embedding, frozen
+    assert "draft.fuse_features.weight" in saved["state_dict"]  # what was trained stays
+    frozen = saved["draftsmith_frozen"]
+    assert frozen["target"] == str(tiny_target_dir)
+    assert frozen["tensors"]["draft.embed_tokens.weight"]["shape"] == [259, 32]
+    assert "embed_tokens.weight" in safe_open_keys(out / "draft")  # the exported draft keeps it: engines read it
+
+    resumed = train(make_config(tiny_target_dir, uniform_conversations, out, *eagle, "--trainer.max_steps=3"),
+                    resume=True, **QUIET)  # fmt: skip
+    assert resumed.steps == 3  # the embedding came back from the target, and matched
+
+    other = tmp_path / "other_target"  # the same shapes, other weights
+    tiny_model("llama", seed=1, layers=2).save_pretrained(other)
+    tiny_tokenizer().save_pretrained(other)
+    config = make_config(other, uniform_conversations, out, *eagle, "--trainer.max_steps=4")
+    with pytest.raises(ValueError, match=rf"trained for target '{tiny_target_dir}'.*--target.spec={tiny_target_dir}"):
+        train(config, resume=True, force_resume=True, **QUIET)
+
+
+def safe_open_keys(directory: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for path in directory.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            keys |= set(f.keys())
+    return keys
+
+
+def test_keep_checkpoints_keeps_the_last_n_step_checkpoints_beside_last(
+    tiny_target_dir, uniform_conversations, tmp_path  # noqa: F811
+):
+    out = tmp_path / "run"
+    steps = ("--trainer.max_steps=5", "--trainer.ckpt_every=1", "--trainer.val_every=5", "--trainer.keep_checkpoints=2")
+    train(make_config(tiny_target_dir, uniform_conversations, out, *steps), **QUIET)
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert kept == ["last.ckpt", "step-0000004.ckpt", "step-0000005.ckpt"]
+    assert torch.load(out / "checkpoints" / "step-0000004.ckpt", weights_only=True)["global_step"] == 4
+
+
+def test_a_checkpoint_is_fsynced_before_its_rename_and_its_folder_after(monkeypatch, tmp_path):
+    import os
+
+    from draftsmith.train.checkpoint import AtomicCheckpointIO
+
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("rename", str(a), str(b))) or replace(a, b))
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}}, path)
+    (_, tmp, dst) = next(e for e in events if e[0] == "rename")
+    assert dst == str(path)
+    assert events.index(("fsync", tmp)) < events.index(("rename", tmp, dst)) < events.index(("fsync", str(path.parent)))
+    assert torch.equal(torch.load(path, weights_only=True)["state_dict"]["w"], torch.ones(3))
+
+
+def test_loggers_are_chosen_in_the_recipe(tiny_target_dir, uniform_conversations, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    train(make_config(tiny_target_dir, uniform_conversations, out, "--trainer.max_steps=2",
+                      "--trainer.loggers=csv"), **QUIET)  # fmt: skip
+    assert list((out / "logs").rglob("metrics.csv")) and not (out / "tensorboard").exists()
+
+
+def test_a_logger_that_is_not_installed_is_refused_before_anything_is_written(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    from draftsmith.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data: {paths: [builtin:gsm8k_train]}\n")
+    out = tmp_path / "run"
+    assert main(["train", str(recipe), f"--output.dir={out}", "--trainer.loggers=[csv, wandb]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "pip install wandb" in err and "trainer.loggers" in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("name, folder", [("wandb", "wandb"), ("mlflow", "mlruns")])
+def test_wandb_and_mlflow_log_offline_where_installed(name, folder, monkeypatch, tiny_target_dir,
+                                                      uniform_conversations, tmp_path):  # noqa: F811 # fmt: skip
+    pytest.importorskip(name, reason=f"{name} is not installed here (an optional logger, not a dependency)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "run"
+    train(make_config(tiny_target_dir, uniform_conversations, out, "--trainer.max_steps=2",
+                      f"--trainer.loggers=[{name}]"), **QUIET)  # fmt: skip
+    assert any((out / folder).rglob("*")), f"{name} wrote nothing under {out / folder}"

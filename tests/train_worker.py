@@ -1,12 +1,15 @@
 """One training run in its own process, for the tests that need several (DDP, kill-and-resume).
 
     python tests/train_worker.py TARGET_DIR DATA OUT [--resume] [--kill-at-step N]
-        [--pause-at-step N MARKER RELEASE] [--fill-disk-at-step N FILLER] [--section.key=value ...]
+        [--pause-at-step N MARKER RELEASE] [--pause-before NAME[:CALL] MARKER RELEASE]
+        [--fill-disk-at-step N FILLER] [--section.key=value ...]
 
 Runs ``train`` with the tests' tiny config (``test_loop.make_config``) under deterministic settings
 on one thread. ``--kill-at-step N`` SIGKILLs the process right after optimizer step N, as a crash
 would: no exception, no cleanup. Lightning's DDP launcher starts the other ranks with this same
-command line. Also registers ``test-noisy``: the linear head behind dropout with a loss scaled by
+command line. ``--pause-before load_target`` (or ``build_feature_cache:2``, its second call) waits, as
+``--pause-at-step`` does, before the loop calls that function: a run stopped outside its training steps.
+Also registers ``test-noisy``: the linear head behind dropout with a loss scaled by
 python and numpy random draws, so a resume that loses any RNG stream shows in the weights.
 """
 
@@ -62,6 +65,27 @@ class PauseAtStep(L.Callback):
                 time.sleep(0.05)
 
 
+def pause_before(name_call: str, marker: str, release: str) -> None:
+    """Wrap ``draftsmith.train.loop.<name>`` so that its CALL-th call (default 1st) writes MARKER, then waits
+    (up to a minute) until RELEASE exists."""
+    import draftsmith.train.loop as loop
+
+    name, _, call = name_call.partition(":")
+    original, calls = getattr(loop, name), []
+
+    def paused(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == int(call or 1):
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            deadline = time.monotonic() + 60
+            while not os.path.exists(release) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return original(*args, **kwargs)
+
+    setattr(loop, name, paused)
+
+
 class FillDiskAtStep(L.Callback):
     """After optimizer step N, fill the output folder's filesystem (a small tmpfs in the test) to the last byte."""
 
@@ -110,6 +134,10 @@ def main(argv: list[str]) -> None:
     if "--pause-at-step" in rest:
         i = rest.index("--pause-at-step")
         callbacks.append(PauseAtStep(int(rest[i + 1]), rest[i + 2], rest[i + 3]))
+        del rest[i : i + 4]
+    if "--pause-before" in rest:
+        i = rest.index("--pause-before")
+        pause_before(*rest[i + 1 : i + 4])
         del rest[i : i + 4]
     if "--fill-disk-at-step" in rest:
         i = rest.index("--fill-disk-at-step")

@@ -2,11 +2,17 @@
 
 Every file or directory is written under a temporary name in the same directory and renamed into
 place, so a crash or a full disk never leaves a half-written checkpoint where ``--resume`` or
-``draftsmith eval --draft`` would pick it up.
+``draftsmith eval --draft`` would pick it up. A checkpoint is fsynced before its rename and its folder
+after it, so a power cut or a node lost after the rename cannot leave an empty or torn ``last.ckpt``.
+
+Checkpoints leave out the draft's frozen copies of the target's weights (an 8B target's embedding is
+~2 GB in float32): the draft rebuilt from the target on resume has them again, and a fingerprint of each
+(``frozen_fingerprints``) refuses a resume against another target.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,7 +33,79 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
-        files.write_with(path, lambda tmp: torch.save(checkpoint, tmp))
+        write_durably(path, lambda tmp: torch.save(checkpoint, tmp))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: str | Path, write) -> Path:
+    """``files.write_with`` with the data on disk before the rename (the file fsynced) and the rename on
+    disk before returning (the folder fsynced)."""
+
+    def write_synced(tmp: Path) -> None:
+        write(tmp)
+        _fsync(tmp)
+
+    path = files.write_with(path, write_synced)
+    _fsync(path.parent)
+    return path
+
+
+FROZEN = "draftsmith_frozen"
+"""Checkpoint key: the target the run trained for and a fingerprint of each frozen weight left out."""
+
+
+def fingerprint(tensor: torch.Tensor) -> dict:
+    """Shape, sum and 16 values spread over ``tensor``: enough to tell one target's weights from another's
+    without hashing gigabytes."""
+    flat = tensor.detach().flatten()
+    picks = torch.linspace(0, max(flat.numel() - 1, 0), 16).long().to(flat.device)
+    return {
+        "shape": list(tensor.shape),
+        "sum": float(flat.double().sum()),
+        "values": flat[picks].double().cpu().tolist() if flat.numel() else [],
+    }
+
+
+def same_fingerprint(a: dict, b: dict) -> bool:
+    if a["shape"] != b["shape"]:
+        return False
+    close = torch.allclose(torch.tensor(a["values"]), torch.tensor(b["values"]), rtol=1e-2, atol=1e-3)
+    return close and abs(a["sum"] - b["sum"]) <= 1e-2 * max(abs(a["sum"]), abs(b["sum"])) + 1e-3
+
+
+def drop_frozen(checkpoint: dict[str, Any], frozen: dict[str, torch.Tensor], target: str) -> None:
+    """Take the frozen target weights (``{state-dict key: tensor}``) out of ``checkpoint["state_dict"]``,
+    keeping their fingerprints and the target's name."""
+    state = checkpoint.get("state_dict") or {}
+    left_out = {key: fingerprint(tensor) for key, tensor in frozen.items() if key in state}
+    for key in left_out:
+        del state[key]
+    checkpoint[FROZEN] = {"target": target, "tensors": left_out}
+
+
+def restore_frozen(checkpoint: dict[str, Any], frozen: dict[str, torch.Tensor], target: str, path) -> None:
+    """Put this run's frozen target weights back into a checkpoint ``drop_frozen`` wrote (one that still
+    holds them is left as it is), after checking they are the weights it was trained with."""
+    saved = checkpoint.get(FROZEN)
+    if saved is None or not saved["tensors"]:
+        return
+    state = checkpoint.setdefault("state_dict", {})
+    for key, want in saved["tensors"].items():
+        have = frozen.get(key)
+        if have is None or not same_fingerprint(want, fingerprint(have)):
+            raise ValueError(
+                f"checkpoint {path} was trained for target {saved['target']!r}, and the frozen weight {key} "
+                f"of this run's target {target!r} is not the one it was trained with: resume with the same "
+                f"target (--target.spec={saved['target']}), or start the run anew in another --output.dir"
+            )
+        state[key] = have
 
 
 def last_checkpoint(output_dir: str | Path) -> Path | None:

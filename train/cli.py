@@ -108,15 +108,17 @@ def run(args: argparse.Namespace) -> int:
     from draftsmith.train.loop import train
 
     force_resume = args.force_resume or "--force-resume" in flags
+    overwrite = args.overwrite or "--overwrite" in flags
     again = ["draftsmith", "train", args.config, *(f"--preset={p}" for p in [*args.preset, *presets])]
-    again += [*overrides, "--resume", *(["--force-resume"] if force_resume else [])]
+    again += overrides
     try:
         train(
             config,
             resume=args.resume or "--resume" in flags,
-            overwrite=args.overwrite or "--overwrite" in flags,
+            overwrite=overwrite,
             force_resume=force_resume,
-            resume_command=shlex.join(again),
+            resume_command=shlex.join([*again, "--resume", *(["--force-resume"] if force_resume else [])]),
+            rerun_command=shlex.join([*again, *(["--overwrite"] if overwrite else [])]),
         )
     except ImportError as err:  # an optional extra the config needs (DeepSpeed) is not installed
         print(f"draftsmith train: error: {err}", file=sys.stderr)

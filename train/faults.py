@@ -8,24 +8,32 @@
 - ``OutputLock``: an exclusive ``flock`` on ``<output.dir>/.draftsmith.lock``, held for the run by its
   global rank 0. The kernel drops it when the process ends, however it ends, so a kill -9 leaves no stale
   lock; a second job is refused with the holder's pid, host and start time.
-- ``disk_full_error``: a failed checkpoint write on a full disk, said as such, with what was kept.
+- ``stop_on_signals``: outside the training steps (loading the target and data, the offline capture,
+  setting up), the same signals stop the run at once; every write is atomic, so nothing half-written stays.
+- ``next_step``: what a stopped run kept and the command that goes on from it: ``--resume`` once a
+  checkpoint exists, a plain rerun before (which reuses the finished shards of an offline cache).
+- ``disk_full_error``: a failed write on a full disk, said as such, with what was kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
 import lightning as L
 
 from draftsmith.files import DiskFullError
+from draftsmith.train.checkpoint import DRAFT_DIR, last_checkpoint
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 LOCK_NAME = ".draftsmith.lock"
@@ -38,6 +46,65 @@ class FolderInUseError(ValueError):
 
 class Preempted(SystemExit):
     """Training stopped by a signal after saving a checkpoint; the exit code is 128 + the signal."""
+
+
+class Stopped(Preempted):
+    """A signal outside the training steps: the run stops where it is (exit code 128 + the signal)."""
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """While the block runs, SIGTERM, SIGUSR1 and SIGINT raise ``Stopped`` at once (``Preemption`` takes
+    over for the training steps, where stopping waits for the step to finish). Only the main thread can
+    set handlers; elsewhere the block runs with the handlers there are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outside = {sig: signal.getsignal(sig) for sig in SIGNALS}
+
+    def stop(signum: int, frame) -> None:
+        raise Stopped(signum)
+
+    for sig in SIGNALS:
+        signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in outside.items():
+            signal.signal(sig, handler)
+
+
+def next_step(
+    output_dir: Path, resume_command: str, rerun_command: str | None, cache_dir: Path
+) -> tuple[str, str]:
+    """(what a stopped run kept, how to go on): ``resume_command`` once a checkpoint exists; before the first
+    one, ``rerun_command`` (``--overwrite`` added when the run already exported a draft, which a plain
+    rerun would refuse to replace), reusing the offline cache's finished shards in ``cache_dir``."""
+    ckpt = last_checkpoint(output_dir)
+    if ckpt is not None:
+        return f"the last good checkpoint, {ckpt}, is kept", f"continue with: {resume_command}"
+    shards = sorted(cache_dir.glob("*/shard-*.safetensors"))
+    kept = "no checkpoint had been saved yet, so a rerun starts over" + (
+        f" (reusing the {len(shards)} finished feature-cache shards in {cache_dir})" if shards else ""
+    )
+    if rerun_command is None:
+        recipe = output_dir / "config.yaml"
+        if not recipe.is_file():
+            return kept, "start again with the same command, without --resume"
+        rerun_command = f"draftsmith train {shlex.quote(str(recipe))}"
+    draft = output_dir / DRAFT_DIR
+    if draft.is_dir() and any(draft.iterdir()) and "--overwrite" not in shlex.split(rerun_command):
+        rerun_command += " --overwrite"
+    return kept, f"start again with: {rerun_command}"
+
+
+def stopped_line(signum: int, kept: str, go_on: str) -> str:
+    """The one line a run stopped outside its training steps prints."""
+    return f"[draftsmith] {signal.Signals(signum).name}: stopped; {kept}; {go_on}"
 
 
 class Preemption(L.Callback):
@@ -178,10 +245,9 @@ def _describe_holder(text: str) -> str:
         return "a process that has not yet said who it is"
 
 
-def disk_full_error(
-    err: BaseException, folder: Path, kept: Path | None, resume_command: str
-) -> DiskFullError | None:
-    """A whole-sentence error for a write into ``folder`` that failed for want of space, else None.
+def disk_full_error(err: BaseException, folder: Path, kept: str, go_on: str) -> DiskFullError | None:
+    """A whole-sentence error for a write into ``folder`` that failed for want of space, else None
+    (``kept``, ``go_on``: what was kept and how to go on, from ``next_step``).
 
     torch's zip writer reports a full disk as ``RuntimeError: ... unexpected pos``, without the errno,
     so the free space of the folder is asked too.
@@ -194,14 +260,9 @@ def disk_full_error(
     torch_writer = any("unexpected pos" in str(e) or "PytorchStreamWriter" in str(e) for e in _chain(err))
     if not (codes & set(NO_SPACE) or (torch_writer and free < 64 * 2**20)):
         return None
-    keeps = (
-        f"the last good checkpoint, {kept}, is kept, and --resume continues from it"
-        if kept
-        else "no checkpoint had been saved yet, so a rerun starts over"
-    )
     return DiskFullError(
-        f"No space left on device while writing into {folder} ({free / 2**20:.0f} MiB free); {keeps}. Free some "
-        f"space and continue with: {resume_command}"
+        f"No space left on device while writing into {folder} ({free / 2**20:.0f} MiB free); {kept}. Free some "
+        f"space and {go_on}"
     )
 
 

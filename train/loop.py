@@ -22,7 +22,6 @@ import lightning as L
 import torch
 import yaml
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
@@ -45,8 +44,17 @@ from draftsmith.train.distributed import (
     resolve_auto_precision,
     target_device,
 )
-from draftsmith.train.faults import OutputLock, Preemption, disk_full_error
+from draftsmith.train.faults import (
+    OutputLock,
+    Preemption,
+    Stopped,
+    disk_full_error,
+    next_step,
+    stop_on_signals,
+    stopped_line,
+)
 from draftsmith.train.feature_cache import FeatureCache, build_feature_cache, collate_cached
+from draftsmith.train.loggers import build_loggers, where
 from draftsmith.train.module import DraftModule
 from draftsmith.train.preflight import preflight, record_recipe_change
 from draftsmith.train.progress import StepProgress
@@ -131,15 +139,21 @@ class TrainResult:
     steps: int
     val: dict[str, float]
     """The last validation: tau, acc_pos_i."""
+    loggers: tuple[str, ...] = ("csv", "tensorboard")
+    """Where the metrics went (``trainer.loggers``)."""
 
 
 def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Trainer:
     t = config.trainer
     callbacks = [
-        ModelCheckpoint(
+        ModelCheckpoint(  # last.ckpt, and the last keep_checkpoints step checkpoints beside it
             dirpath=output_dir / CHECKPOINT_DIR,
+            filename="step-{step:07d}",
+            auto_insert_metric_name=False,
+            monitor="step" if t.keep_checkpoints else None,
+            mode="max",
             every_n_train_steps=t.ckpt_every,
-            save_top_k=0,
+            save_top_k=t.keep_checkpoints,
             save_last=True,
             enable_version_counter=False,
         ),
@@ -164,7 +178,7 @@ def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Traine
         devices=t.devices,
         strategy=build_strategy(t),
         default_root_dir=output_dir,
-        logger=[CSVLogger(output_dir, name="logs"), TensorBoardLogger(output_dir, name="tensorboard")],
+        logger=build_loggers(t.loggers, output_dir) or False,
         callbacks=callbacks,
         plugins=[AtomicCheckpointIO()],
         num_sanity_val_steps=1,
@@ -184,6 +198,7 @@ def train(
     overwrite: bool = False,
     force_resume: bool = False,
     resume_command: str | None = None,
+    rerun_command: str | None = None,
     **trainer_overrides,
 ) -> TrainResult:
     """Run a whole training from a config: data, (offline cache), objective, fit, final validation, export.
@@ -193,7 +208,9 @@ def train(
     folder; ``force_resume`` resumes although the recipe changed in a way that can break exact resume.
     The output folder is locked for the run (``train/faults.py``); SIGTERM, SIGUSR1 and SIGINT save a
     checkpoint at the next step and stop with 128 + the signal, printing ``resume_command`` (default:
-    ``draftsmith train <output.dir>/config.yaml --resume``).
+    ``draftsmith train <output.dir>/config.yaml --resume``); outside the training steps they stop at once.
+    A stop or a full disk before the first checkpoint prints ``rerun_command`` instead (default:
+    ``draftsmith train <output.dir>/config.yaml``), the command that works then.
     """
     output_dir = Path(config.output.dir)
     check_strategy(config.trainer)
@@ -210,18 +227,31 @@ def train(
     resume_command = (
         resume_command or f"draftsmith train {shlex.quote(str(output_dir / 'config.yaml'))} --resume"
     )
-    with OutputLock(output_dir) if rank == 0 else contextlib.nullcontext():  # one job per folder
-        return _train_locked(
-            config,
-            resume,
-            target,
-            overwrite,
-            force_resume,
-            resume_command,
-            rank,
-            world_size,
-            trainer_overrides,
-        )
+    cache_dir = Path(config.cache.dir) if config.cache.dir else output_dir / "feature_cache"
+    try:
+        with stop_on_signals(), OutputLock(output_dir) if rank == 0 else contextlib.nullcontext():
+            return _train_locked(
+                config,
+                resume,
+                target,
+                overwrite,
+                force_resume,
+                resume_command,
+                rank,
+                world_size,
+                trainer_overrides,
+            )
+    except Stopped as stop:  # outside the training steps: say what is kept and what goes on from it
+        if rank == 0:
+            print(stopped_line(stop.signum, *next_step(output_dir, resume_command, rerun_command, cache_dir)),
+                  flush=True)  # fmt: skip
+        raise
+    except (OSError, RuntimeError) as err:
+        kept, go_on = next_step(output_dir, resume_command, rerun_command, cache_dir)
+        full = disk_full_error(err, output_dir, kept, go_on)
+        if full is None:
+            raise
+        raise full from err
 
 
 def _train_locked(
@@ -291,17 +321,13 @@ def _train_locked(
         if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
             trainer.validate(module, val_loader, verbose=False)  # final τ for the final weights (and export)
         trainer.save_checkpoint(last, weights_only=False)  # all of it, and quietly
-    except (OSError, RuntimeError) as err:
-        full = disk_full_error(err, output_dir, last_checkpoint(output_dir), resume_command)
-        if full is None:
-            raise
-        raise full from err
     finally:
         preemption.restore()
     val = {k: v for k, v in module.val_history[-1].items() if k not in ("step", "histogram")}
     result = TrainResult(
-        output_dir, output_dir / DRAFT_DIR, last_checkpoint(output_dir), trainer.global_step, val
-    )
+        output_dir, output_dir / DRAFT_DIR, last_checkpoint(output_dir), trainer.global_step, val,
+        tuple(config.trainer.loggers),
+    )  # fmt: skip
     if trainer.is_global_zero:
         print_summary(result)
     preemption.after_run()  # a signal during the final validation or export: saved, yet not exit 0
@@ -317,6 +343,6 @@ def print_summary(result: TrainResult) -> None:
         f" (acceptance by position: {rates})\n"
         f"  draft:      {result.draft_dir}   (draftsmith eval --draft {result.draft_dir})\n"
         f"  checkpoint: {result.checkpoint}   (continue with --resume)\n"
-        f"  logs:       {result.output_dir / 'logs'} (CSV), {result.output_dir / 'tensorboard'} (TensorBoard)",
+        f"  logs:       {where(result.loggers, result.output_dir)}",
         flush=True,
     )

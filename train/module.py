@@ -22,7 +22,7 @@ import yaml
 from draftsmith import files
 from draftsmith.decode.target import Target
 from draftsmith.eval.stats import AcceptanceStats
-from draftsmith.train.checkpoint import DRAFT_DIR, export_draft
+from draftsmith.train.checkpoint import DRAFT_DIR, drop_frozen, export_draft, restore_frozen
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.schema import TrainConfig, to_dict
 from draftsmith.train.teacher import compute_teacher
@@ -147,6 +147,17 @@ class DraftModule(L.LightningModule):
             "train_state.json": files.json_text(record),
         }
         return export_draft(self.objective, self.draft, self.output_dir / DRAFT_DIR, extra)
+
+    # ---- checkpoints: without the frozen copies of the target's weights (train/checkpoint.py)
+
+    def _frozen(self) -> dict[str, torch.Tensor]:
+        return {f"draft.{name}": p for name, p in self.draft.named_parameters() if not p.requires_grad}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        drop_frozen(checkpoint, self._frozen(), self.config.target.spec)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        restore_frozen(checkpoint, self._frozen(), self.config.target.spec, self.trainer.ckpt_path)
 
     # ---- optimisation
 

@@ -14,12 +14,14 @@ import yaml
 from draftsmith import files
 from draftsmith.sources import check_source
 from draftsmith.train.checkpoint import CHECKPOINT_DIR, DRAFT_DIR, LAST, last_checkpoint
+from draftsmith.train.loggers import check_loggers
 from draftsmith.train.registry import check_objective_options
 from draftsmith.train.schema import TrainConfig, to_dict
 
 RESUME_SAFE = ("trainer.max_steps", "trainer.max_time", "trainer.log_every", "trainer.ckpt_every",
-               "trainer.devices", "trainer.num_nodes", "trainer.strategy", "trainer.accelerator",
-               "trainer.num_workers", "target.device", "target.device_map")  # fmt: skip
+               "trainer.keep_checkpoints", "trainer.loggers", "trainer.devices", "trainer.num_nodes",
+               "trainer.strategy", "trainer.accelerator", "trainer.num_workers", "target.device",
+               "target.device_map")  # fmt: skip
 """Recipe keys a resumed run may change without breaking exact resume: when it stops, logging, and where
 it runs (docs/TRAINING.md, "Another world size"; ``trainer.batch_size`` too while the global batch stays)."""
 RECIPE_HISTORY = "recipe_history.jsonl"
@@ -81,6 +83,7 @@ def preflight(config: TrainConfig, resume: bool, overwrite: bool, force_resume: 
     for spec in paths:
         check_source(spec, "data.regenerated" if d.regenerated else "data.paths entry")
     check_objective_options(config.draft.kind, config.draft.options)
+    check_loggers(config.trainer.loggers)
     if not resume or not (output_dir / "config.yaml").is_file():
         return {}
     saved = yaml.safe_load((output_dir / "config.yaml").read_text()) or {}
