@@ -136,7 +136,9 @@ def _others(directory: Path, new: Path) -> list[str]:
     owned = set(owned_file.read_text(encoding="utf-8").split("\n")) if owned_file.is_file() else set()
     taken = {p.name for p in new.iterdir()} | owned | {OWNED}
     temporary = _tmp_name(directory)
-    return sorted(p.name for p in directory.iterdir() if p.name not in taken and not p.name.startswith(temporary))
+    return sorted(
+        p.name for p in directory.iterdir() if p.name not in taken and not p.name.startswith(temporary)
+    )
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -185,12 +187,9 @@ def _fill_in_place(directory: Path, new: Path, keep_others: bool) -> None:
     systems), then remove the old entries the new contents do not hold: those draftsmith wrote, with
     ``keep_others``; all but the temporary ones otherwise."""
     directory.mkdir(parents=True, exist_ok=True)
-    stale = set() if keep_others and not (directory / OWNED).is_file() else None
-    if stale is None:
-        others = set(_others(directory, new)) if keep_others else set()
-        temporary = _tmp_name(directory)
-        stale = {p.name for p in directory.iterdir() if p.name not in others and not p.name.startswith(temporary)}
-    names = {p.name for p in new.iterdir()}
+    temporary = _tmp_name(directory)
+    stale = {p.name for p in directory.iterdir() if not p.name.startswith(temporary)}
+    stale -= {p.name for p in new.iterdir()} | (set(_others(directory, new)) if keep_others else set())
     for root, dirs, filenames in os.walk(new):
         rel = Path(root).relative_to(new)
         for d in dirs:
@@ -203,7 +202,7 @@ def _fill_in_place(directory: Path, new: Path, keep_others: bool) -> None:
                 if err.errno != errno.EXDEV:
                     raise
                 copy_file(src, dst)
-    for name in sorted(stale - names):
+    for name in sorted(stale):
         path = directory / name
         shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
 
