@@ -80,3 +80,40 @@ def test_a_file_system_failing_midway_is_one_line_and_leaves_nothing(
     assert "could not write the export to" in err and "Read-only file system" in err
     assert len(err.strip().splitlines()) == 1
     assert entries(tmp_path) == []
+
+
+def not_a_draft(folder):
+    """A folder that looks like a draft at a glance: a config.json (``{"foo": 1}``) and safetensors weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"foo": 1}')
+    save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_publish_refuses_a_folder_that_is_no_draft_naming_what_is_missing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token_0123456789")
+    folder = not_a_draft(tmp_path / "thing")
+    argv = ["publish", str(folder), "--repo-id", "me/thing", "--base-model", "org/target", "--license", "mit",
+            "--dry-run", "--no-eval", "--out", str(tmp_path / "pub")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{folder} is not a draft draftsmith trained" in err and "names no draftsmith_kind" in err
+    assert not (tmp_path / "pub").exists()
+
+
+def test_eval_refuses_a_folder_that_is_no_draft_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    from test_new_user import no_target_load
+
+    no_target_load(monkeypatch, "draftsmith.decode.target")
+    folder = not_a_draft(tmp_path / "thing")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    argv = ["eval", "--target", "smollm2-135m-instruct", "--draft", str(folder), "--prompts", str(prompts),
+            "--out", str(tmp_path / "eval")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--draft {folder} is not a draft" in err and "no model_type" in err
+    assert not (tmp_path / "eval").exists()
