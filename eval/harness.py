@@ -143,9 +143,9 @@ def run_prompt(
     for turn in prompt.turns:
         conversation.append({"role": "user", "content": turn})
         ids = render(target.tokenizer, conversation)
-        room = (target.context_length or 0) - settings.max_new_tokens
-        if truncated is not None and target.context_length and ids.shape[0] > room:
-            ids, truncated[0] = ids[-max(room, 1) :], truncated[0] + 1
+        if truncated is not None:
+            ids, cut = keep_last(target, ids, settings.max_new_tokens)
+            truncated[0] += cut
         result = _generate(target, ids, method, settings, generator)
         outputs.append(result.tokens)
         stats = stats + run_stats(result)
@@ -153,6 +153,15 @@ def run_prompt(
             chosen_k.update(result.chosen_k)
         conversation.append({"role": "assistant", "content": answer_text(target.tokenizer, result.tokens)})
     return outputs, stats
+
+
+def keep_last(target: Target, ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, int]:
+    """``ids`` cut to their last tokens if, with ``max_new_tokens`` more, they would not fit the target's
+    context (``--truncate-prompts``); and 1 if cut, else 0."""
+    room = (target.context_length or 0) - max_new_tokens
+    if target.context_length and ids.shape[0] > room:
+        return ids[-max(room, 1) :], 1
+    return ids, 0
 
 
 def _generate(
@@ -175,13 +184,20 @@ def run_stats(result: GenerationResult) -> RunStats:
 
 
 def warm_up(
-    target: Target, methods: Sequence[Method], prompts: Sequence[EvalPrompt], settings: GenerationSettings
+    target: Target,
+    methods: Sequence[Method],
+    prompts: Sequence[EvalPrompt],
+    settings: GenerationSettings,
+    truncate_prompts: bool = False,
 ) -> None:
     """One short untimed generation per method and prompt (first turn only): kernels, caches, allocator.
-    Adaptive methods warm up on throwaway cost models, so timing starts without what they learnt here."""
+    Adaptive methods warm up on throwaway cost models, so timing starts without what they learnt here.
+    With ``truncate_prompts`` a prompt too long for the context keeps its last tokens, as in the timed run."""
     short = replace(settings, max_new_tokens=min(settings.max_new_tokens, WARMUP_TOKENS))
     for prompt in prompts:
         ids = render(target.tokenizer, [{"role": "user", "content": prompt.turns[0]}])
+        if truncate_prompts:
+            ids, _ = keep_last(target, ids, short.max_new_tokens)
         for method in methods:
             generator = torch.Generator(device=target.device).manual_seed(settings.seed)
             _generate(target, ids, method.fresh(settings.k_max), short, generator)
@@ -307,7 +323,7 @@ def evaluate(
         check_context(target, prompts, max_new_tokens)
     methods = [Method(BASELINE, None, 0), *drafted]
     results = [MethodResult(m.name, decoding=m.decoding) for m in methods]
-    warm_up(target, methods, prompts[: max(warmup, 0)], settings)
+    warm_up(target, methods, prompts[: max(warmup, 0)], settings, truncate_prompts)
     runs = [m.fresh(k_max) for m in methods]
     for result, method in zip(results, runs):
         result.policy = method.tree if isinstance(method.tree, TreeBudget) else method.k

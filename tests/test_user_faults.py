@@ -6,10 +6,13 @@ and a log file show."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 from test_export import eagle_dir, target  # noqa: F401 (fixtures)
 from test_files import busy_mount, entries
+from test_loop import tiny_target_dir  # noqa: F401 (fixture)
+from test_new_user import eval_argv, long_prompts  # noqa: F401 (fixture)
 
 from draftsmith import files
 from draftsmith.cli import main
@@ -117,3 +120,14 @@ def test_eval_refuses_a_folder_that_is_no_draft_before_the_target_loads(tmp_path
     err = capsys.readouterr().err
     assert f"--draft {folder} is not a draft" in err and "no model_type" in err
     assert not (tmp_path / "eval").exists()
+
+
+def test_truncate_prompts_holds_for_a_too_long_prompt_among_the_warm_up_ones(
+    tiny_target_dir, long_prompts, tmp_path
+):
+    """The long prompt comes first, so the warm-up (1 prompt) meets it before the timed run does."""
+    argv = eval_argv(tiny_target_dir, long_prompts, tmp_path / "out", "--truncate-prompts")
+    argv[argv.index("--warmup") + 1] = "1"
+    assert main(argv) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["truncated_generations"] == 1 and report["settings"]["warmup"] == 1
