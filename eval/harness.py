@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-from tqdm.auto import tqdm
 
 from draftsmith.decode.cost_model import CostModel, TreeBudget
 from draftsmith.decode.drafter import Drafter
@@ -30,6 +29,7 @@ from draftsmith.decode.target import Target
 from draftsmith.decode.tree import TreeSpec
 from draftsmith.decode.tree_decode import generate_tree
 from draftsmith.eval.mirror_stats import MirrorStats
+from draftsmith.eval.progress import EvalProgress
 from draftsmith.eval.prompts import EvalPrompt, answer_text, render
 from draftsmith.eval.stats import RunStats
 
@@ -258,10 +258,6 @@ def check_context(target: Target, prompts: Sequence[EvalPrompt], max_new_tokens:
         )
 
 
-def _short(name: str) -> str:
-    return name.rstrip("/").rsplit("/", 1)[-1][:24]
-
-
 def evaluate(
     target: Target,
     drafts: Sequence[tuple[str, Drafter] | Method],
@@ -280,8 +276,9 @@ def evaluate(
 
     ``drafts``: ``(name, drafter)`` pairs, which decode with ``k`` / ``tree``, or ``Method``s with their own
     (a benchmark of several k for one drafter passes one Method per k). ``sampling``: greedy when None.
-    ``progress``: show a tqdm bar (None = only when stderr is a terminal). ``tree``: draft token trees of
-    this shape (every drafter must support it) instead of k-token chains. ``k="auto"``: each method gets
+    ``progress``: show a tqdm bar (None = a bar when stderr is a terminal, else a line now and then:
+    ``eval/progress.py``). ``tree``: draft token trees of this shape (every drafter must support it)
+    instead of k-token chains. ``k="auto"``: each method gets
     one cost model (``decode/cost_model.py``, k in 0..``k_max``) that learns from a fresh start over the
     timed prompts and keeps what it learned from prompt to prompt; the warm-up runs on throwaway models.
     A ``TreeBudget`` as ``tree`` works the same way: each method gets its own copy, which picks the tree's
@@ -328,19 +325,16 @@ def evaluate(
     for result, method in zip(results, runs):
         result.policy = method.tree if isinstance(method.tree, TreeBudget) else method.k
 
-    bar = tqdm(prompts, desc="eval", unit="prompt", disable=None if progress is None else not progress)
-    for prompt in bar:
+    shown = EvalProgress(len(prompts), progress)
+    for prompt in prompts:
         for method, running, result in zip(methods, runs, results):
             chosen = result.chosen_k if method.adaptive else None  # asked of the method as given: "auto"
             cut = [0] if truncate_prompts else None
             outputs, stats = run_prompt(target, running, prompt, settings, chosen, cut)
             result.record(prompt.category, stats, outputs)
             result.truncated += cut[0] if cut else 0
-        if drafted:
-            bar.set_postfix_str(
-                " ".join(f"{_short(r.name)} τ={r.total.acceptance.tau:.2f}" for r in results[1:])
-            )
-    bar.close()
+        shown.update(results)
+    shown.close()
 
     categories = list(dict.fromkeys(p.category for p in prompts))
     if settings.sampling.greedy:

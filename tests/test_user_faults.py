@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 
 from test_export import eagle_dir, target  # noqa: F401 (fixtures)
 from test_files import busy_mount, entries
@@ -131,3 +133,63 @@ def test_truncate_prompts_holds_for_a_too_long_prompt_among_the_warm_up_ones(
     assert main(argv) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["truncated_generations"] == 1 and report["settings"]["warmup"] == 1
+
+
+def cli_to_a_pipe(*argv: str) -> str:
+    """``draftsmith ARGV`` in a subprocess with stdout and stderr sent to a pipe, as to a SLURM log file."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONWARNINGS", None)
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.cli", *argv], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return proc.stdout
+
+
+THIRD_PARTY_NOISE = ("litlogger", "Tip:", "LeafSpec", "is_gradient_checkpointing", "FutureWarning")
+
+
+def test_the_first_screen_of_training_shows_no_third_party_tips_or_deprecations(tiny_target_dir, tmp_path):
+    data = tmp_path / "convs.jsonl"
+    rows = [{"conversations": [{"from": "human", "value": f"count from {i}"},
+                               {"from": "gpt", "value": f"{i} {i + 1} {i + 2}"}]} for i in range(12)]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = cli_to_a_pipe("train", "configs/debug_eagle3.yaml", f"--target.spec={tiny_target_dir}",
+                        f"--data.paths=[{data}]", "--data.limit=null", "--draft.options.draft_vocab_size=200",
+                        "--trainer.max_steps=1", "--trainer.val_every=1", "--trainer.ckpt_every=1",
+                        f"--output.dir={tmp_path / 'run'}")  # fmt: skip
+    assert "[draftsmith] trained 1 steps" in out
+    assert [word for word in THIRD_PARTY_NOISE if word in out] == []
+
+
+def test_a_third_party_deprecation_is_filtered_only_in_the_command_line_and_draftsmiths_own_never():
+    import warnings
+
+    from draftsmith.cli import quiet_third_parties
+
+    def warn(module: str, message: str, category=FutureWarning):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_third_parties()
+            warnings.warn_explicit(message, category, "x.py", 1, module=module)
+        return [str(w.message) for w in caught]
+
+    assert (
+        warn("transformers.modeling_utils", "`is_gradient_checkpointing` is deprecated and will be removed")
+        == []
+    )
+    assert warn("lightning.pytorch.utilities._pytree", "`isinstance(treespec, LeafSpec)` is deprecated") == []
+    assert (
+        warn("draftsmith.drafts.distill", "`is_gradient_checkpointing` is deprecated") != []
+    )  # draftsmith's own
+    assert warn("transformers.generation", "another deprecation") != []  # only the ones named
+
+
+def test_eval_in_a_log_file_reports_progress_now_and_then(tiny_target_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"count from {i}"}) + "\n" for i in range(3)))
+    out = cli_to_a_pipe("eval", "--target", str(tiny_target_dir), "--draft", "ngram", "--prompts", str(prompts),
+                        "--limit", "2", "--max-new-tokens", "8", "--out", str(tmp_path / "eval"))  # fmt: skip
+    lines = [line for line in out.splitlines() if line.startswith("eval  ")]
+    assert [line.split("  ")[1] for line in lines] == ["1/2 prompts", "2/2 prompts"], out
+    assert all("tok/s: target alone" in line and "ngram" in line and "(τ " in line for line in lines)
+    assert "eval:" not in out  # no tqdm bar ("eval:  50%|...") redrawn into the file
