@@ -109,6 +109,8 @@ def replace_dir(directory: str | Path, fill: Callable[[Path], object], keep_othe
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     mount = os.path.ismount(directory)  # built inside it: beside it is another file system
+    if mount:
+        remove_stale(directory, directory.name)  # what a killed write into it left there
     tmp = Path(tempfile.mkdtemp(dir=directory if mount else directory.parent, prefix=_tmp_name(directory)))
     try:
         fill(tmp)
