@@ -244,3 +244,15 @@ def test_rewriting_a_shared_folder_replaces_only_what_draftsmith_wrote(tmp_path,
     assert (out / "config.json").read_text() == "second" and (out / "notes.txt").read_text() == "mine"
     files.replace_dir(out, lambda d: (d / "config.json").write_text("third"))  # not shared: replaced whole
     assert entries(tmp_path) == ["out", "out/config.json"]
+
+
+def test_a_mount_point_is_built_inside_not_on_the_file_system_beside_it(tmp_path, monkeypatch):
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / ".volume.tmp-killed").mkdir()  # what a killed write into the volume left
+    real = os.path.ismount
+    monkeypatch.setattr(files.os.path, "ismount", lambda p: os.path.abspath(p) == str(volume) or real(p))
+    busy_mount(monkeypatch, volume)
+    seen = []
+    files.replace_dir(volume, lambda d: seen.append(d.parent) or (d / "a.txt").write_text("a"))
+    assert seen == [volume] and entries(tmp_path) == ["volume", "volume/a.txt"]
