@@ -275,11 +275,27 @@ def read_draft_config(draft_dir: str | Path) -> dict:
     return files.read_json(config, DRAFT_FIX) if config.is_file() else {}
 
 
+def check_is_draft(folder: str | Path, config: dict, what: str = "--draft") -> None:
+    """Refuse a folder whose ``config.json`` describes no model: neither a draft draftsmith saved (it names
+    its kind), nor another pipeline's EAGLE head or DFlash draft, nor a transformers model (a causal LM runs
+    as an independent draft). One error naming what is missing, instead of a card or a load of nothing."""
+    described = DRAFT_KIND_KEY in config or "model_type" in config
+    if described or is_foreign_eagle(config) or is_foreign_dflash(config):
+        return
+    raise ValueError(
+        f"{what} {folder} is not a draft: its config.json names no {DRAFT_KIND_KEY} (a draft `draftsmith train` "
+        "saved) and no model_type (a transformers model). Pass a `draftsmith train` run directory, its draft/ "
+        "directory, or a model directory"
+    )
+
+
 def check_draft_files(spec: str) -> None:
-    """Refuse a ``--draft`` that names a local draft (or run) directory with a partial or corrupt file, before
-    a target loads for it (minutes for a real one); a training-free spec or a Hub id is checked when built."""
+    """Refuse a ``--draft`` that names a local draft (or run) directory with a partial or corrupt file, or one
+    that holds no draft (``check_is_draft``), before a target loads for it (minutes for a real one); a
+    training-free spec or a Hub id is checked when built."""
     if Path(spec).is_dir():
-        read_draft_config(draft_dir_of(spec))
+        folder = draft_dir_of(spec)
+        check_is_draft(folder, read_draft_config(folder))
 
 
 def kind_of_checkpoint(path: str | Path) -> DraftKind:
@@ -354,4 +370,6 @@ def build_drafter(spec: str, target: Target) -> Drafter:
             f"--draft {spec} holds no draft: expected config.json in it (a draft directory) or draft/config.json "
             "(a `draftsmith train` run directory; it appears once the run has validated)"
         )
-    return kind_of_checkpoint(spec).build(target, spec)
+    config = read_draft_config(spec)
+    check_is_draft(spec, config)
+    return kind_of_config(config).build(target, spec)

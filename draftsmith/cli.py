@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
+import warnings
 
 from draftsmith import files
 
@@ -39,6 +41,32 @@ SUBCOMMANDS = {
 }
 
 
+THIRD_PARTY_NOISE = (
+    # (module the warning is told from, the start of its message): deprecations inside the libraries
+    # draftsmith runs on, which the user can do nothing about
+    (r"lightning\.", r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    (r"transformers\.", r"`is_gradient_checkpointing` is deprecated"),
+)
+LIGHTNING_TIPS = ("lightning.pytorch.utilities.rank_zero", "💡 Tip:")
+"""The logger Lightning advertises its add-ons through, and how such a line starts."""
+
+
+def _not_a_tip(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(LIGHTNING_TIPS[1])
+
+
+def quiet_third_parties() -> None:
+    """Keep off the command line's screen what says nothing to a draftsmith user: the libraries' own
+    deprecation warnings (by module and message, nothing broader) and Lightning's tips. Called by ``main``
+    only: a program that imports draftsmith keeps every warning; draftsmith's own are never filtered."""
+    for module, message in THIRD_PARTY_NOISE:
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    logger = logging.getLogger(LIGHTNING_TIPS[0])
+    if _not_a_tip not in logger.filters:
+        logger.addFilter(_not_a_tip)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftsmith",
@@ -60,6 +88,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quiet_third_parties()
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in SUBCOMMANDS else None)
     args = parser.parse_args(argv)

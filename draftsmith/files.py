@@ -9,6 +9,7 @@ another user). This module imports nothing else of draftsmith: every layer may u
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import math
@@ -87,35 +88,125 @@ def copy_file(src: str | Path, dst: str | Path) -> Path:
     return write_with(dst, lambda tmp: shutil.copyfile(src, tmp))
 
 
-def replace_dir(directory: str | Path, fill: Callable[[Path], object]) -> Path:
+OWNED = ".draftsmith-files"
+"""In a folder draftsmith shares with its user (an export): the names of what draftsmith wrote there, one a
+line, so that writing it again replaces those and keeps the user's other files (``replace_dir(keep_others=True)``)."""
+IN_PLACE_ERRORS = (errno.EBUSY, errno.EXDEV)
+"""What renaming a mount point (a container volume, a bind mount) onto or out of its place fails with."""
+
+
+def replace_dir(directory: str | Path, fill: Callable[[Path], object], keep_others: bool = False) -> Path:
     """Build a directory with ``fill(tmp_dir)`` and swap it in for ``directory`` (replacing an old one).
 
     The old directory is moved aside, the new one renamed into place, then the old one deleted: a
-    reader sees the old whole directory or the new whole one (or, for an instant, none).
+    reader sees the old whole directory or the new whole one (or, for an instant, none). A directory
+    that cannot be renamed (a mount point: EBUSY, EXDEV) is filled in place instead, file by file, each
+    file renamed into it whole, and what the new contents do not hold is removed from it. With
+    ``keep_others`` the new directory records what ``fill`` wrote (``OWNED``), and entries of the old one
+    that draftsmith did not write (not in its ``OWNED``; all that the new one does not hold, if it has
+    none) are kept. Whatever fails, nothing temporary is left beside or inside ``directory``.
     """
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=_tmp_name(directory)))
+    mount = os.path.ismount(directory)  # built inside it: beside it is another file system
+    if mount:
+        remove_stale(directory, directory.name)  # what a killed write into it left there
+    tmp = Path(tempfile.mkdtemp(dir=directory if mount else directory.parent, prefix=_tmp_name(directory)))
     try:
         fill(tmp)
+        if keep_others:
+            (tmp / OWNED).write_text("".join(f"{p.name}\n" for p in sorted(tmp.iterdir())), encoding="utf-8")
         share(tmp)
-    except BaseException:
+        if not mount:
+            try:
+                _swap(directory, tmp, _others(directory, tmp) if keep_others else [])
+                return directory
+            except OSError as err:
+                if err.errno not in IN_PLACE_ERRORS:
+                    raise
+        _fill_in_place(directory, tmp, keep_others)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return directory
+
+
+def _others(directory: Path, new: Path) -> list[str]:
+    """Entries of an old ``directory`` that draftsmith did not write there and ``new`` does not replace."""
+    if not directory.is_dir():
+        return []
+    owned_file = directory / OWNED
+    owned = set(owned_file.read_text(encoding="utf-8").split("\n")) if owned_file.is_file() else set()
+    taken = {p.name for p in new.iterdir()} | owned | {OWNED}
+    temporary = _tmp_name(directory)
+    return sorted(
+        p.name for p in directory.iterdir() if p.name not in taken and not p.name.startswith(temporary)
+    )
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """``src`` (a file or a folder) at ``dst`` too: hard links where the file system has them, else copies."""
+
+    def link(a, b):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    if src.is_dir() and not src.is_symlink():
+        shutil.copytree(src, dst, symlinks=True, copy_function=link)
+    elif src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    else:
+        link(src, dst)
+
+
+def _swap(directory: Path, tmp: Path, others: list[str]) -> None:
+    """Rename ``tmp`` into ``directory``'s place, ``others`` of the old one carried over; the old one is
+    deleted after, or put back if the swap fails. Raises what the renames raise (EBUSY on a mount point)."""
+    for name in others:
+        _link_or_copy(directory / name, tmp / name)
     old = None
     if directory.exists():
         old = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.old-"))
-        os.replace(directory, old / directory.name)
+    swapped = False
     try:
-        os.replace(tmp, directory)
-    except BaseException:
         if old is not None:
-            os.replace(old / directory.name, directory)  # put the previous one back
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return directory
+            os.replace(directory, old / directory.name)
+        try:
+            os.replace(tmp, directory)
+            swapped = True
+        except BaseException:
+            if old is not None and (old / directory.name).exists():
+                os.replace(old / directory.name, directory)  # put the previous one back
+            raise
+    finally:
+        if old is not None and (swapped or not (old / directory.name).exists()):
+            shutil.rmtree(old, ignore_errors=True)  # never the previous one while it is not back in place
+
+
+def _fill_in_place(directory: Path, new: Path, keep_others: bool) -> None:
+    """Move every entry of ``new`` into ``directory`` (each file renamed whole, or copied whole across file
+    systems), then remove the old entries the new contents do not hold: those draftsmith wrote, with
+    ``keep_others``; all but the temporary ones otherwise."""
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = _tmp_name(directory)
+    stale = {p.name for p in directory.iterdir() if not p.name.startswith(temporary)}
+    stale -= {p.name for p in new.iterdir()} | (set(_others(directory, new)) if keep_others else set())
+    for root, dirs, filenames in os.walk(new):
+        rel = Path(root).relative_to(new)
+        for d in dirs:
+            (directory / rel / d).mkdir(exist_ok=True)
+        for f in sorted(filenames, key=lambda f: (rel / f).as_posix() == OWNED):  # the record last
+            src, dst = Path(root) / f, directory / rel / f
+            try:
+                os.replace(src, dst)
+            except OSError as err:
+                if err.errno != errno.EXDEV:
+                    raise
+                copy_file(src, dst)
+    for name in sorted(stale):
+        path = directory / name
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
 
 
 def check_writable(directory: str | Path, what: str) -> Path:

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
-from tqdm.auto import tqdm
 
 from draftsmith.decode.cost_model import CostModel, TreeBudget
 from draftsmith.decode.drafter import Drafter
@@ -30,6 +29,7 @@ from draftsmith.decode.target import Target
 from draftsmith.decode.tree import TreeSpec
 from draftsmith.decode.tree_decode import generate_tree
 from draftsmith.eval.mirror_stats import MirrorStats
+from draftsmith.eval.progress import EvalProgress
 from draftsmith.eval.prompts import EvalPrompt, answer_text, render
 from draftsmith.eval.stats import RunStats
 
@@ -143,9 +143,9 @@ def run_prompt(
     for turn in prompt.turns:
         conversation.append({"role": "user", "content": turn})
         ids = render(target.tokenizer, conversation)
-        room = (target.context_length or 0) - settings.max_new_tokens
-        if truncated is not None and target.context_length and ids.shape[0] > room:
-            ids, truncated[0] = ids[-max(room, 1) :], truncated[0] + 1
+        if truncated is not None:
+            ids, cut = keep_last(target, ids, settings.max_new_tokens)
+            truncated[0] += cut
         result = _generate(target, ids, method, settings, generator)
         outputs.append(result.tokens)
         stats = stats + run_stats(result)
@@ -153,6 +153,15 @@ def run_prompt(
             chosen_k.update(result.chosen_k)
         conversation.append({"role": "assistant", "content": answer_text(target.tokenizer, result.tokens)})
     return outputs, stats
+
+
+def keep_last(target: Target, ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, int]:
+    """``ids`` cut to their last tokens if, with ``max_new_tokens`` more, they would not fit the target's
+    context (``--truncate-prompts``); and 1 if cut, else 0."""
+    room = (target.context_length or 0) - max_new_tokens
+    if target.context_length and ids.shape[0] > room:
+        return ids[-max(room, 1) :], 1
+    return ids, 0
 
 
 def _generate(
@@ -175,13 +184,20 @@ def run_stats(result: GenerationResult) -> RunStats:
 
 
 def warm_up(
-    target: Target, methods: Sequence[Method], prompts: Sequence[EvalPrompt], settings: GenerationSettings
+    target: Target,
+    methods: Sequence[Method],
+    prompts: Sequence[EvalPrompt],
+    settings: GenerationSettings,
+    truncate_prompts: bool = False,
 ) -> None:
     """One short untimed generation per method and prompt (first turn only): kernels, caches, allocator.
-    Adaptive methods warm up on throwaway cost models, so timing starts without what they learnt here."""
+    Adaptive methods warm up on throwaway cost models, so timing starts without what they learnt here.
+    With ``truncate_prompts`` a prompt too long for the context keeps its last tokens, as in the timed run."""
     short = replace(settings, max_new_tokens=min(settings.max_new_tokens, WARMUP_TOKENS))
     for prompt in prompts:
         ids = render(target.tokenizer, [{"role": "user", "content": prompt.turns[0]}])
+        if truncate_prompts:
+            ids, _ = keep_last(target, ids, short.max_new_tokens)
         for method in methods:
             generator = torch.Generator(device=target.device).manual_seed(settings.seed)
             _generate(target, ids, method.fresh(settings.k_max), short, generator)
@@ -242,10 +258,6 @@ def check_context(target: Target, prompts: Sequence[EvalPrompt], max_new_tokens:
         )
 
 
-def _short(name: str) -> str:
-    return name.rstrip("/").rsplit("/", 1)[-1][:24]
-
-
 def evaluate(
     target: Target,
     drafts: Sequence[tuple[str, Drafter] | Method],
@@ -264,8 +276,9 @@ def evaluate(
 
     ``drafts``: ``(name, drafter)`` pairs, which decode with ``k`` / ``tree``, or ``Method``s with their own
     (a benchmark of several k for one drafter passes one Method per k). ``sampling``: greedy when None.
-    ``progress``: show a tqdm bar (None = only when stderr is a terminal). ``tree``: draft token trees of
-    this shape (every drafter must support it) instead of k-token chains. ``k="auto"``: each method gets
+    ``progress``: show a tqdm bar (None = a bar when stderr is a terminal, else a line now and then:
+    ``eval/progress.py``). ``tree``: draft token trees of this shape (every drafter must support it)
+    instead of k-token chains. ``k="auto"``: each method gets
     one cost model (``decode/cost_model.py``, k in 0..``k_max``) that learns from a fresh start over the
     timed prompts and keeps what it learned from prompt to prompt; the warm-up runs on throwaway models.
     A ``TreeBudget`` as ``tree`` works the same way: each method gets its own copy, which picks the tree's
@@ -307,24 +320,21 @@ def evaluate(
         check_context(target, prompts, max_new_tokens)
     methods = [Method(BASELINE, None, 0), *drafted]
     results = [MethodResult(m.name, decoding=m.decoding) for m in methods]
-    warm_up(target, methods, prompts[: max(warmup, 0)], settings)
+    warm_up(target, methods, prompts[: max(warmup, 0)], settings, truncate_prompts)
     runs = [m.fresh(k_max) for m in methods]
     for result, method in zip(results, runs):
         result.policy = method.tree if isinstance(method.tree, TreeBudget) else method.k
 
-    bar = tqdm(prompts, desc="eval", unit="prompt", disable=None if progress is None else not progress)
-    for prompt in bar:
+    shown = EvalProgress(len(prompts), progress)
+    for prompt in prompts:
         for method, running, result in zip(methods, runs, results):
             chosen = result.chosen_k if method.adaptive else None  # asked of the method as given: "auto"
             cut = [0] if truncate_prompts else None
             outputs, stats = run_prompt(target, running, prompt, settings, chosen, cut)
             result.record(prompt.category, stats, outputs)
             result.truncated += cut[0] if cut else 0
-        if drafted:
-            bar.set_postfix_str(
-                " ".join(f"{_short(r.name)} τ={r.total.acceptance.tau:.2f}" for r in results[1:])
-            )
-    bar.close()
+        shown.update(results)
+    shown.close()
 
     categories = list(dict.fromkeys(p.category for p in prompts))
     if settings.sampling.greedy:

@@ -146,3 +146,113 @@ def test_a_checkpoint_cut_short_anywhere_is_refused_by_name(tmp_path):
         assert str(path) not in str(raw.value)  # torch's own error does not say which file
         with pytest.raises(ValueError, match=f"{path} is cut short or corrupt: .* Resume anew."):
             files.check_checkpoint(path, "Resume anew")
+
+
+def busy_mount(monkeypatch, directory):
+    """Make ``directory`` behave as a mount point (a container volume): renaming it, or onto it, fails with
+    EBUSY as the kernel says for a mount point; renaming files inside it works. Simulated, as making a real
+    mount needs privileges a test does not have."""
+    import errno
+
+    real = os.replace
+
+    def replace(src, dst, *a, **k):
+        if os.path.abspath(directory) in (os.path.abspath(src), os.path.abspath(dst)):
+            raise OSError(errno.EBUSY, "Device or resource busy", str(dst))
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(files.os, "replace", replace)
+
+
+def entries(folder) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+
+
+def test_a_folder_that_cannot_be_renamed_is_filled_in_place_leaving_nothing_temporary(tmp_path, monkeypatch):
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / "old.bin").write_text("an earlier write")
+    busy_mount(monkeypatch, volume)
+
+    def fill(d):
+        (d / "model.safetensors").write_text("weights")
+        (d / "sub").mkdir()
+        (d / "sub" / "c.txt").write_text("c")
+
+    files.replace_dir(volume, fill)
+    assert entries(tmp_path) == ["volume", "volume/model.safetensors", "volume/sub", "volume/sub/c.txt"]
+    assert mode(volume / "model.safetensors") == files.FILE_MODE
+
+
+def test_a_write_into_a_mount_that_fails_midway_leaves_nothing_temporary(tmp_path, monkeypatch):
+    import errno
+
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / "config.json").write_text("old")
+    busy_mount(monkeypatch, volume)
+    real = files.os.replace
+
+    def full(src, dst, *a, **k):
+        if str(dst).endswith("model.safetensors"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(files.os, "replace", full)
+
+    def fill(d):
+        (d / "config.json").write_text("new")
+        (d / "model.safetensors").write_text("weights")
+
+    with pytest.raises(OSError, match="No space left"):
+        files.replace_dir(volume, fill)
+    assert entries(tmp_path) == ["volume", "volume/config.json"]
+
+
+def test_a_failed_swap_leaves_the_old_folder_and_nothing_beside_it(tmp_path, monkeypatch):
+    import errno
+
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "a.txt").write_text("old")
+    real = os.replace
+
+    def fails_once_moved_aside(src, dst, *a, **k):
+        if os.path.basename(src).startswith(".dir.tmp-"):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(files.os, "replace", fails_once_moved_aside)
+    with pytest.raises(OSError, match="Read-only"):
+        files.replace_dir(tmp_path / "dir", lambda d: (d / "a.txt").write_text("new"))
+    assert entries(tmp_path) == ["dir", "dir/a.txt"] and (tmp_path / "dir" / "a.txt").read_text() == "old"
+
+
+@pytest.mark.parametrize("mounted", [False, True])
+def test_rewriting_a_shared_folder_replaces_only_what_draftsmith_wrote(tmp_path, monkeypatch, mounted):
+    out = tmp_path / "out"
+    if mounted:
+        out.mkdir()
+        busy_mount(monkeypatch, out)
+    files.replace_dir(out, lambda d: [(d / n).write_text("first") for n in ("config.json", "old.safetensors")],
+                      keep_others=True)  # fmt: skip
+    (out / "notes.txt").write_text("mine")
+    (out / "mine").mkdir()
+    (out / "mine" / "data.csv").write_text("mine too")
+    files.replace_dir(out, lambda d: (d / "config.json").write_text("second"), keep_others=True)
+    assert entries(tmp_path) == ["out", f"out/{files.OWNED}", "out/config.json", "out/mine", "out/mine/data.csv",
+                                 "out/notes.txt"]  # fmt: skip
+    assert (out / "config.json").read_text() == "second" and (out / "notes.txt").read_text() == "mine"
+    files.replace_dir(out, lambda d: (d / "config.json").write_text("third"))  # not shared: replaced whole
+    assert entries(tmp_path) == ["out", "out/config.json"]
+
+
+def test_a_mount_point_is_built_inside_not_on_the_file_system_beside_it(tmp_path, monkeypatch):
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / ".volume.tmp-killed").mkdir()  # what a killed write into the volume left
+    real = os.path.ismount
+    monkeypatch.setattr(files.os.path, "ismount", lambda p: os.path.abspath(p) == str(volume) or real(p))
+    busy_mount(monkeypatch, volume)
+    seen = []
+    files.replace_dir(volume, lambda d: seen.append(d.parent) or (d / "a.txt").write_text("a"))
+    assert seen == [volume] and entries(tmp_path) == ["volume", "volume/a.txt"]

@@ -43,7 +43,7 @@ def copy_draft(ckpt: DraftCheckpoint, out: Path) -> None:
 def copy_export(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
     """The writer of a layout that is the draft's transformers directory itself (``hf``; a causal LM for
     vLLM and SGLang)."""
-    return files.replace_dir(out, lambda tmp: copy_draft(ckpt, tmp))
+    return files.replace_dir(out, lambda tmp: copy_draft(ckpt, tmp), keep_others=True)
 
 
 def import_peer_head(ckpt: DraftCheckpoint, target_spec: str | None, workdir: Path) -> DraftCheckpoint:
@@ -69,7 +69,10 @@ def import_peer_head(ckpt: DraftCheckpoint, target_spec: str | None, workdir: Pa
 
 
 def holds_an_export(folder: Path) -> bool:
-    """True for a folder an earlier export wrote: files only, with a config.json or only single-file exports."""
+    """True for a folder an earlier export wrote: one that records what draftsmith wrote there (``files.OWNED``);
+    for an export of an earlier version, files only, with a config.json or only single-file exports."""
+    if (folder / files.OWNED).is_file():
+        return True
     entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
     if any(p.is_dir() for p in entries):
         return False
@@ -80,7 +83,9 @@ def holds_an_export(folder: Path) -> bool:
 def check_out(ckpt: DraftCheckpoint, engine: str | Engine, out: Path, overwrite: bool = False) -> None:
     """Refuse an ``out`` whose writing would replace what the user did not ask to replace: an existing
     single-file export (``.gguf``) or a non-empty folder without ``overwrite``; with it, anything but an
-    earlier export; and never the checkpoint itself, a folder around it, or a file where a folder goes."""
+    earlier export (whose files the new export replaces, keeping the user's others there); and never the
+    checkpoint itself, a folder around it, or a file where a folder goes. A place that cannot be written is
+    refused here too, before any work."""
     record = engine_of(engine)
     resolved = out.resolve()
     source = ckpt.draft_dir.resolve()
@@ -94,6 +99,7 @@ def check_out(ckpt: DraftCheckpoint, engine: str | Engine, out: Path, overwrite:
             )
         if out.exists() and not overwrite:
             raise FileExistsError(f"--out {out} exists; {again}")
+        files.check_writable(out.parent, "--out's folder")
         return
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(
@@ -110,6 +116,7 @@ def check_out(ckpt: DraftCheckpoint, engine: str | Engine, out: Path, overwrite:
                 f"--out {out} holds more than an export (sub-folders, or files besides GGUF and no config.json); "
                 "--overwrite replaces only an earlier export: pass a new folder"
             )
+    files.check_writable(out, "--out")
 
 
 def export_checkpoint(

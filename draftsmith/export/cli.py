@@ -8,6 +8,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
 from draftsmith.drafts.base import PEER_DFLASH, PEER_EAGLE3, draft_kind, kind_names
 from draftsmith.drafts.engines import export_engines
@@ -96,7 +97,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an earlier export at --out (a folder holding one, or a .gguf file); never anything else",
+        help="replace an earlier export at --out (a folder holding one, or a .gguf file): the files draftsmith "
+        "wrote there are replaced, your other files in it kept; never anything else",
     )
     p.add_argument(
         "--verify", action="store_true", help="only verify CKPT as an existing --to export; write nothing"
@@ -121,12 +123,20 @@ def run(args: argparse.Namespace) -> int:
     ckpt = locate_checkpoint(args.checkpoint)
     out = Path(args.out) if args.out else default_out(ckpt, args.to)
     check_out(ckpt, args.to, out, args.overwrite)
-    if ckpt.kind.name in (PEER_EAGLE3, PEER_DFLASH):  # read for its target, exported from there
-        with tempfile.TemporaryDirectory() as tmp:
-            imported = import_peer_head(ckpt, args.target, Path(tmp))
-            written = export_checkpoint(imported, args.to, out, args.gguf_dtype, args.target_gguf)
-    else:
-        written = export_checkpoint(ckpt, args.to, out, args.gguf_dtype, args.target_gguf)
+    try:
+        if ckpt.kind.name in (PEER_EAGLE3, PEER_DFLASH):  # read for its target, exported from there
+            with tempfile.TemporaryDirectory() as tmp:
+                imported = import_peer_head(ckpt, args.target, Path(tmp))
+                written = export_checkpoint(imported, args.to, out, args.gguf_dtype, args.target_gguf)
+        else:
+            written = export_checkpoint(ckpt, args.to, out, args.gguf_dtype, args.target_gguf)
+    except OSError as err:
+        if err.errno is None or isinstance(err, (FileNotFoundError, PermissionError, files.DiskFullError)):
+            raise
+        raise ValueError(  # a read-only or full file system found midway: one line, not a traceback
+            f"could not write the export to {out} ({err.strerror or err}); nothing temporary was left behind. "
+            "Free the place or pass another --out, then run the same command again"
+        ) from err
     print(f"wrote {written}")
     for line in verify_export(written, args.to):
         print(line)

@@ -71,7 +71,7 @@ def write_folder(out: Path, config: dict, state: dict[str, torch.Tensor]) -> Pat
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(files.json_text(config))
 
-    return files.replace_dir(out, write)
+    return files.replace_dir(out, write, keep_others=True)
 
 
 def write_vllm(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:

@@ -273,13 +273,14 @@ def source_record(config: dict, engine: str) -> dict:
 
 
 def write_folder(out: Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
-    """An engine's EAGLE-3 folder: its config.json and one model.safetensors, replacing ``out`` whole."""
+    """An engine's EAGLE-3 folder: its config.json and one model.safetensors, replacing an earlier export at ``out``
+    (the user's other files there are kept)."""
 
     def fill(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
 
-    return files.replace_dir(out, fill)
+    return files.replace_dir(out, fill, keep_others=True)
 
 
 def export_eagle(ckpt: DraftCheckpoint, out: Path, engine: str) -> Path:

@@ -70,7 +70,7 @@ def write_medusa(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Pa
         save_file(medusa_tensors(state, shared), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(files.json_text(vllm_config))
 
-    return files.replace_dir(out, write)
+    return files.replace_dir(out, write, keep_others=True)
 
 
 def usage(card: CardContext) -> list[str]:

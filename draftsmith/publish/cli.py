@@ -15,7 +15,7 @@ from pathlib import Path
 
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
-from draftsmith.drafts.base import PEER_DFLASH, PEER_EAGLE3
+from draftsmith.drafts.base import PEER_DFLASH, PEER_EAGLE3, check_saved_draft
 from draftsmith.eval.plots import PLOT_NAME
 from draftsmith.hub import HUB_ID
 from draftsmith.publish.card import base_model_of, license_of, portable, portable_recipe, render_card
@@ -277,6 +277,12 @@ def run(args: argparse.Namespace) -> int:
             f"{ckpt.draft_dir} is a {ckpt.kind.title}, with no record of its target or its "
             "measured numbers; read it into draftsmith's layout first (`draftsmith export DIR --to hf --target "
             "MODEL --out NEW`), evaluate that, and publish it"
+        )
+    problems = check_saved_draft(ckpt.draft_dir)
+    if problems:
+        raise ValueError(
+            f"{ckpt.draft_dir} is not a draft draftsmith trained, so there is nothing to publish: "
+            f"{'; '.join(problems)}. Pass a `draftsmith train` run directory or its draft/ directory"
         )
     out = Path(args.out) if args.out else (ckpt.run_dir or ckpt.draft_dir.parent) / "publish"
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()] if args.datasets else None
