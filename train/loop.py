@@ -36,6 +36,8 @@ from draftsmith.train.checkpoint import (
     last_checkpoint,
     remove_partial_checkpoints,
 )
+from draftsmith.train.corpus.dataset_cache import cached_dataset
+from draftsmith.train.corpus.dataset_cache import default_root as default_dataset_root
 from draftsmith.train.corpus.tokens import build_dataset, collate, count_tokens, pad_id_of, split_heldout
 from draftsmith.train.distributed import (
     build_strategy,
@@ -61,16 +63,30 @@ TOKEN_COUNTS = "token_counts.safetensors"
 # --------------------------------------------------------------------------- data
 
 
-def prepare_datasets(config: TrainConfig, tokenizer):
-    """(train, heldout) datasets of input_ids/loss_mask rows, rendered with the target's chat template."""
+def prepare_datasets(config: TrainConfig, tokenizer, rank: int = 0):
+    """(train, heldout) datasets of input_ids/loss_mask rows, rendered with the target's chat template.
+
+    The rows are rendered and packed once into the dataset cache (``data.cache_dir``, by default
+    <output.dir>/dataset_cache; ``train/corpus/dataset_cache.py``): a restart, a requeue and the ranks after
+    rank 0 read them back instead."""
     d = config.data
     paths = [d.regenerated] if d.regenerated else d.paths
-    ds = build_dataset(paths, tokenizer, d.max_length, pack=d.pack, limit=d.limit, seed=d.seed)
-    if len(ds) <= d.heldout:
-        raise ValueError(
-            f"only {len(ds)} training sequences in {paths}, not more than data.heldout={d.heldout}; "
-            "add data or lower data.heldout"
-        )
+    root = Path(d.cache_dir) if d.cache_dir else default_dataset_root(config.output.dir)
+    unused = ("paths", "regenerated", "heldout", "cache_dir")  # the sources are fingerprinted apart
+    settings = {k: v for k, v in to_dict(config)["data"].items() if k not in unused}
+
+    def enough(ds):
+        if len(ds) <= d.heldout:
+            raise ValueError(
+                f"only {len(ds)} training sequences in {paths}, not more than data.heldout={d.heldout}; "
+                "add data or lower data.heldout"
+            )
+        return ds
+
+    def build():  # checked before it is stored: a recipe with too few rows leaves no entry
+        return enough(build_dataset(paths, tokenizer, d.max_length, pack=d.pack, limit=d.limit, seed=d.seed))
+
+    ds = enough(cached_dataset(root, paths, tokenizer, settings, build, rank=rank))
     return split_heldout(ds, d.heldout, d.seed)
 
 
@@ -239,7 +255,7 @@ def _train_locked(
             tc.spec, device=target_device(tc.device), dtype=tc.dtype, device_map=tc.device_map,
             chat_template=tc.chat_template,
         )  # fmt: skip
-    train_ds, heldout_ds = prepare_datasets(config, target.tokenizer)
+    train_ds, heldout_ds = prepare_datasets(config, target.tokenizer, rank)
     pad_id = pad_id_of(target.tokenizer)
 
     counts_path = output_dir / TOKEN_COUNTS

@@ -69,6 +69,10 @@ class DataConfig:
     """Conversations held out for validation loss and simulated acceptance."""
     seed: int = 0
     """Seed for shuffling and the held-out split."""
+    cache_dir: str | None = None
+    """Where the rendered, packed rows are kept for restarts and the other ranks (null =
+    <output.dir>/dataset_cache); one entry per data, tokenizer, template and settings. Share it between
+    runs on the same data (on a filesystem every rank sees)."""
 
 
 @dataclass(config=SECTION)
