@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from draftsmith import files
-from draftsmith.decode.target import Target, load_target
+from draftsmith.decode.target import Target, load_target, load_target_skeleton
 from draftsmith.train.checkpoint import (
     CHECKPOINT_DIR,
     DRAFT_DIR,
@@ -48,7 +48,12 @@ from draftsmith.train.distributed import (
     target_device,
 )
 from draftsmith.train.faults import OutputLock, Preemption, disk_full_error
-from draftsmith.train.feature_cache import FeatureCache, build_feature_cache, collate_cached
+from draftsmith.train.feature_cache import (
+    FeatureCache,
+    build_feature_cache,
+    collate_cached,
+    feature_cache_complete,
+)
 from draftsmith.train.module import DraftModule
 from draftsmith.train.preflight import preflight, record_recipe_change
 from draftsmith.train.progress import StepProgress
@@ -250,11 +255,9 @@ def _train_locked(
         files.remove_stale(output_dir, DRAFT_DIR)  # ... or while exporting the draft
     L.seed_everything(config.trainer.seed, workers=True, verbose=False)
     if target is None:
-        tc = config.target
-        target = load_target(
-            tc.spec, device=target_device(tc.device), dtype=tc.dtype, device_map=tc.device_map,
-            chat_template=tc.chat_template,
-        )  # fmt: skip
+        target = _load_target(
+            config, whole=config.mode != "offline"
+        )  # offline: layers only if the capture runs
     train_ds, heldout_ds = prepare_datasets(config, target.tokenizer, rank)
     pad_id = pad_id_of(target.tokenizer)
 
@@ -282,12 +285,29 @@ def _train_locked(
         cache_dirs = (root / "train", root / "heldout")
         c = config.cache
         train_ds = rows_to_cache(train_ds, config, world_size, rank)
-        for ds, directory in zip((train_ds, heldout_ds), cache_dirs):
-            build_feature_cache(
-                target, ds, directory, objective.capture_layers, objective.teacher_topk, c.examples_per_shard,
-                c.batch_size, pad_id, feature_dtype=c.feature_dtype, rank=rank, world_size=world_size,
-            )  # fmt: skip
-        target.model.to("cpu")  # offline: the target's work is done; free the accelerator for the draft
+        complete = all(
+            feature_cache_complete(target, ds, directory, objective.capture_layers, objective.teacher_topk,
+                                   c.examples_per_shard, c.feature_dtype)
+            for ds, directory in zip((train_ds, heldout_ds), cache_dirs)
+        )  # fmt: skip
+        if not target.materialized and (not complete or objective.reads_target_layers):
+            target = _load_target(config, whole=True)  # the capture (or the draft) needs the target's layers
+            objective = build_objective(config.draft.kind, target, config.draft.options, token_counts)
+        if complete:
+            if rank == 0:
+                print(
+                    f"[draftsmith] offline: the feature cache {root} is complete"
+                    + ("; the target's layers are not loaded" if not target.materialized else ""),
+                    flush=True,
+                )
+        else:
+            for ds, directory in zip((train_ds, heldout_ds), cache_dirs):
+                build_feature_cache(
+                    target, ds, directory, objective.capture_layers, objective.teacher_topk, c.examples_per_shard,
+                    c.batch_size, pad_id, feature_dtype=c.feature_dtype, rank=rank, world_size=world_size,
+                )  # fmt: skip
+        if target.materialized:
+            target.model.to("cpu")  # offline: the target's work is done; free the accelerator for the draft
     train_loader, val_loader = make_loaders(config, train_ds, heldout_ds, pad_id, cache_dirs, target.dtype)
 
     module = DraftModule(objective, config, target, output_dir)
@@ -321,6 +341,22 @@ def _train_locked(
         print_summary(result)
     preemption.after_run()  # a signal during the final validation or export: saved, yet not exit 0
     return result
+
+
+def _load_target(config: TrainConfig, whole: bool) -> Target:
+    """The configured target; with ``whole`` False a skeleton (``load_target_skeleton``: the embedding, final
+    norm and LM head read from its safetensors, the layers never materialised), or the whole target where its
+    checkpoint cannot be read that way (a note says why)."""
+    tc = config.target
+    if not whole:
+        try:
+            return load_target_skeleton(tc.spec, "cpu", tc.dtype, tc.chat_template)
+        except (ValueError, FileNotFoundError) as err:
+            print(f"[draftsmith] offline: loading the whole target ({err})", flush=True)
+    return load_target(
+        tc.spec, device=target_device(tc.device), dtype=tc.dtype, device_map=tc.device_map,
+        chat_template=tc.chat_template,
+    )  # fmt: skip
 
 
 def print_summary(result: TrainResult) -> None:
