@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from test_distributed import logged_losses
 from test_loop import QUIET, Probe, conversations, make_config  # noqa: F401 (fixture)
+from test_resume import run_worker
 from tiny import tiny_model, tiny_tokenizer
 
 from draftsmith.decode.target import load_target, load_target_skeleton
@@ -78,3 +79,27 @@ def test_a_draft_made_of_the_targets_layers_loads_them(conversations, tmp_path, 
     result = train(make_config(target, conversations, tmp_path / "b", *flags), **QUIET)
     out = capsys.readouterr().out
     assert "is complete" in out and "layers are not loaded" not in out and result.steps == 1
+
+
+def test_two_ranks_train_from_a_complete_cache_without_the_targets_layers(conversations, tmp_path):  # noqa: F811
+    """2 gloo ranks: a first run captures the cache sharded over the ranks with the whole target; a second,
+    in which loading the whole target raises on every rank, trains to the same losses."""
+    target = saved_target(tmp_path / "target")
+    # 5 steps of 4 rows read every training row on 1 rank as on 2: Lightning's launcher starts rank 1 only at
+    # fit, so rank 0 sizes the cache as a single rank, and both must ask for the same rows
+    flags = (*EAGLE3, f"--cache.dir={tmp_path / 'cache'}", "--trainer.strategy=ddp", "--trainer.devices=2",
+             "--trainer.batch_size=4", "--trainer.max_steps=5", "--cache.examples_per_shard=4")  # fmt: skip
+    first = run_worker(target, conversations, tmp_path / "whole", *flags, timeout=240)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    second = run_worker(
+        target, conversations, tmp_path / "skeleton", *flags, "--no-target-layers", timeout=300
+    )
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    assert "the target's layers are not loaded" in second.stdout
+    assert {"rank 0: target layers on meta", "rank 1: target layers on meta"} <= set(
+        (second.stdout + second.stderr).splitlines()
+    )
+    ours, theirs = logged_losses(tmp_path / "skeleton"), logged_losses(tmp_path / "whole")
+    assert sorted(ours) == sorted(theirs) == [0, 1, 2, 3, 4]
+    for step, loss in theirs.items():
+        assert ours[step] == pytest.approx(loss, abs=1e-6, rel=0), (step, ours, theirs)
