@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from draftsmith.decode.features import capture_layers
-from draftsmith.loading import eos_token_ids, load_causal_lm, tokenizer_fingerprint
+from draftsmith.loading import eos_token_ids, load_causal_lm, load_causal_lm_skeleton, tokenizer_fingerprint
 
 COMPILE_MAX_WIDTH = 16
 """Target.compile: decode steps of at most this many tokens run compiled (one graph per width)."""
@@ -50,6 +50,11 @@ class Target:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def materialized(self) -> bool:
+        """False for a skeleton (``load_target_skeleton``): its layers are on the meta device and cannot run."""
+        return not any(p.is_meta for p in self.model.parameters())
 
     @property
     def vocab_size(self) -> int:
@@ -218,6 +223,20 @@ def load_target(
     if chat_template is not None and not Path(chat_template).is_file():
         raise FileNotFoundError(f"chat template file {chat_template} does not exist (a Jinja template)")
     model, tokenizer, name = load_causal_lm(spec, device, dtype, device_map)
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
+    return Target(model, tokenizer, name)
+
+
+def load_target_skeleton(
+    spec: str, device: str = "cpu", dtype: str = "float32", chat_template: str | None = None
+) -> Target:
+    """The target without its layers (``load_causal_lm_skeleton``: only the embedding, final norm and LM
+    head are read, from its safetensors), for a run whose teacher outputs are all in a feature cache;
+    the same record, tokenizer, shapes and dtype as ``load_target`` gives, none of its memory."""
+    if chat_template is not None and not Path(chat_template).is_file():
+        raise FileNotFoundError(f"chat template file {chat_template} does not exist (a Jinja template)")
+    model, tokenizer, name = load_causal_lm_skeleton(spec, dtype, device)
     if chat_template is not None:
         tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
     return Target(model, tokenizer, name)

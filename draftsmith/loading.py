@@ -260,3 +260,82 @@ def eos_token_ids(model: PreTrainedModel, tokenizer) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def checkpoint_tensors(directory: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors of these names that a model folder's safetensors hold (one file, or shards listed in
+    ``model.safetensors.index.json``), each read alone: nothing else of the checkpoint is loaded. Names
+    the checkpoint lacks are left out of the answer."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (directory / "model.safetensors").is_file():
+        with safe_open(str(directory / "model.safetensors"), "pt") as f:
+            weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    else:
+        raise FileNotFoundError(f"{directory} holds no model.safetensors nor model.safetensors.index.json")
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        if name in weight_map:
+            by_file.setdefault(weight_map[name], []).append(name)
+    found = {}
+    for file, wanted in by_file.items():
+        with safe_open(str(directory / file), "pt") as f:
+            found.update({name: f.get_tensor(name) for name in wanted})
+    return found
+
+
+def output_side_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The modules a draft copies from its target: the input embedding, the final norm, the LM head."""
+    norm = getattr(model.get_decoder(), "norm", None)
+    return [m for m in (model.get_input_embeddings(), norm, model.get_output_embeddings()) if m is not None]
+
+
+def load_causal_lm_skeleton(
+    spec: str, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+):
+    """(model, tokenizer, display name) with every weight on the meta device (no memory) except the input
+    embedding, final norm and LM head, read by name from the checkpoint's safetensors onto ``device``.
+
+    Enough to build a draft from its target (shapes, config, layer structure, the output side) where the
+    target's layers never run: offline training with a complete feature cache. A tied LM head stays the
+    embedding's very tensor. ``ValueError`` when the checkpoint has no such tensor under the model's names
+    (then load the whole target)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    path, name = resolve_model_path(spec)
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass  # none saved: the config's own ids stand
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    wanted = {}  # checkpoint name -> (module, parameter name)
+    for module in output_side_modules(model):
+        for pname in [n for n, p in module._parameters.items() if p is not None]:
+            wanted[f"{names[id(module)]}.{pname}"] = (module, pname)
+    tensors = checkpoint_tensors(path, list(wanted))
+    placed: dict[int, torch.nn.Parameter] = {}  # the meta parameter -> its filled one (tied ones once)
+    missing = []
+    for key, (module, pname) in wanted.items():
+        meta = module._parameters[pname]
+        if id(meta) not in placed:
+            if key not in tensors:
+                missing.append(key)
+                continue
+            placed[id(meta)] = torch.nn.Parameter(tensors[key].to(dev, torch_dtype), requires_grad=False)
+        setattr(module, pname, placed[id(meta)])
+    if missing:
+        raise ValueError(
+            f"{name}'s checkpoint in {path} has no tensor {', '.join(missing)} (the model's names)"
+        )
+    model.eval().requires_grad_(False)
+    return model, tokenizer, name

@@ -2,7 +2,7 @@
 
     python tests/train_worker.py TARGET_DIR DATA OUT [--resume] [--kill-at-step N]
         [--pause-at-step N MARKER RELEASE] [--pause-before NAME[:CALL] MARKER RELEASE]
-        [--fill-disk-at-step N FILLER] [--section.key=value ...]
+        [--fill-disk-at-step N FILLER] [--no-target-layers] [--section.key=value ...]
 
 Runs ``train`` with the tests' tiny config (``test_loop.make_config``) under deterministic settings
 on one thread. ``--kill-at-step N`` SIGKILLs the process right after optimizer step N, as a crash
@@ -118,6 +118,16 @@ class KillAtStep(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class TargetLayersOnMeta(L.Callback):
+    """Fails the run unless the target's decoder layers are on the meta device when training starts."""
+
+    def on_train_start(self, trainer, module) -> None:
+        layers = list(module.target.model.get_decoder().layers.parameters())
+        if not layers or not all(p.is_meta for p in layers):
+            raise RuntimeError(f"rank {trainer.global_rank}: the target's layers were materialised")
+        print(f"rank {trainer.global_rank}: target layers on meta", flush=True)
+
+
 def deterministic() -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -143,6 +153,15 @@ def main(argv: list[str]) -> None:
         i = rest.index("--fill-disk-at-step")
         callbacks.append(FillDiskAtStep(int(rest[i + 1]), rest[i + 2]))
         del rest[i : i + 3]
+    if "--no-target-layers" in rest:  # every rank: loading the whole target is an error, its layers stay meta
+        rest.remove("--no-target-layers")
+        import draftsmith.train.loop as loop
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("the whole target was loaded")
+
+        loop.load_target = refuse
+        callbacks.append(TargetLayersOnMeta())
     overrides = [a for a in rest if a != "--resume"]
     deterministic()
     train(make_config(target_dir, data, out, *overrides), resume=resume, callbacks=callbacks,

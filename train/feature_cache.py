@@ -131,21 +131,10 @@ def build_feature_cache(
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    layers = sorted(int(i) for i in layers)
-    stored_dtype = feature_dtype_for(target.dtype, feature_dtype)
+    manifest = _manifest(target, len(dataset), layers, topk, examples_per_shard, feature_dtype)
+    layers, topk = manifest["layers"], manifest["topk"]
+    stored_dtype = getattr(torch, manifest["feature_dtype"])
     hidden = int(target.config.hidden_size)
-    topk = min(topk, target.vocab_size)
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "target": target.record(),
-        "target_dtype": _DTYPE_NAMES[target.dtype],
-        "feature_dtype": _DTYPE_NAMES[stored_dtype],
-        "layers": layers,
-        "topk": topk,
-        "full_logits": topk == target.vocab_size,
-        "examples_per_shard": examples_per_shard,
-        "num_examples": len(dataset),
-    }
     if rank == 0:
         _write_manifest(directory, manifest)
     else:
@@ -211,6 +200,56 @@ def build_feature_cache(
             lambda: not missing(), wait_timeout, f"the shards of the other ranks in {directory}", missing
         )
     return directory
+
+
+def _manifest(
+    target: Target, num_examples: int, layers, topk: int, examples_per_shard: int, feature_dtype: str
+) -> dict:
+    """What a cache of these settings records about itself (``cache.json``)."""
+    stored_dtype = feature_dtype_for(target.dtype, feature_dtype)
+    topk = min(topk, target.vocab_size)
+    return {
+        "format_version": FORMAT_VERSION,
+        "target": target.record(),
+        "target_dtype": _DTYPE_NAMES[target.dtype],
+        "feature_dtype": _DTYPE_NAMES[stored_dtype],
+        "layers": sorted(int(i) for i in layers),
+        "topk": topk,
+        "full_logits": topk == target.vocab_size,
+        "examples_per_shard": examples_per_shard,
+        "num_examples": num_examples,
+    }
+
+
+def feature_cache_complete(
+    target: Target,
+    dataset,
+    directory: str | Path,
+    layers: Sequence[int],
+    topk: int,
+    examples_per_shard: int = 256,
+    feature_dtype: str = "auto",
+) -> bool:
+    """Whether ``directory`` already holds every shard ``build_feature_cache`` would write for these rows
+    (the target itself is not run, so a skeleton target serves: only its record, dtype and vocabulary are
+    read). A cache made with other fixed settings (another target, layers, top-k, ...) is an error naming
+    them, as ``build_feature_cache`` gives; a missing manifest or a shard of other rows is just not complete."""
+    directory = Path(directory)
+    manifest = _manifest(target, len(dataset), layers, topk, examples_per_shard, feature_dtype)
+    try:
+        old = json.loads((directory / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    _check_manifest(directory, old, manifest)
+    if old.get("num_examples") != len(dataset):
+        return False
+    for shard in range((len(dataset) + examples_per_shard - 1) // examples_per_shard):
+        rows = dataset.select(
+            range(shard * examples_per_shard, min(len(dataset), (shard + 1) * examples_per_shard))
+        )
+        if _shard_hash(_shard_path(directory, shard)) != _rows_hash(rows):
+            return False
+    return True
 
 
 def _of_rank(rank: int, world_size: int) -> str:

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
 from draftsmith import files
-from draftsmith.decode.target import Target, load_target
+from draftsmith.decode.target import Target, load_target, load_target_skeleton
 from draftsmith.train.checkpoint import (
     CHECKPOINT_DIR,
     DRAFT_DIR,
@@ -35,6 +35,8 @@ from draftsmith.train.checkpoint import (
     last_checkpoint,
     remove_partial_checkpoints,
 )
+from draftsmith.train.corpus.dataset_cache import cached_dataset
+from draftsmith.train.corpus.dataset_cache import default_root as default_dataset_root
 from draftsmith.train.corpus.tokens import build_dataset, collate, count_tokens, pad_id_of, split_heldout
 from draftsmith.train.distributed import (
     build_strategy,
@@ -53,7 +55,12 @@ from draftsmith.train.faults import (
     stop_on_signals,
     stopped_line,
 )
-from draftsmith.train.feature_cache import FeatureCache, build_feature_cache, collate_cached
+from draftsmith.train.feature_cache import (
+    FeatureCache,
+    build_feature_cache,
+    collate_cached,
+    feature_cache_complete,
+)
 from draftsmith.train.loggers import build_loggers, where
 from draftsmith.train.module import DraftModule
 from draftsmith.train.preflight import preflight, record_recipe_change
@@ -69,17 +76,31 @@ TOKEN_COUNTS = "token_counts.safetensors"
 # --------------------------------------------------------------------------- data
 
 
-def prepare_datasets(config: TrainConfig, tokenizer):
-    """(train, heldout) datasets of input_ids/loss_mask rows, rendered with the target's chat template."""
+def prepare_datasets(config: TrainConfig, tokenizer, rank: int = 0):
+    """(train, heldout) datasets of input_ids/loss_mask rows, rendered with the target's chat template.
+
+    The rows are rendered and packed once into the dataset cache (``data.cache_dir``, by default
+    <output.dir>/dataset_cache; ``train/corpus/dataset_cache.py``): a restart, a requeue and the ranks after
+    rank 0 read them back instead."""
     d = config.data
     paths = [d.regenerated] if d.regenerated else d.paths
-    ds = build_dataset(paths, tokenizer, d.max_length, pack=d.pack, limit=d.limit, seed=d.seed,
-                       system=d.system, template_args=d.template_args)  # fmt: skip
-    if len(ds) <= d.heldout:
-        raise ValueError(
-            f"only {len(ds)} training sequences in {paths}, not more than data.heldout={d.heldout}; "
-            "add data or lower data.heldout"
-        )
+    root = Path(d.cache_dir) if d.cache_dir else default_dataset_root(config.output.dir)
+    unused = ("paths", "regenerated", "heldout", "cache_dir")  # the sources are fingerprinted apart
+    settings = {k: v for k, v in to_dict(config)["data"].items() if k not in unused}
+
+    def enough(ds):
+        if len(ds) <= d.heldout:
+            raise ValueError(
+                f"only {len(ds)} training sequences in {paths}, not more than data.heldout={d.heldout}; "
+                "add data or lower data.heldout"
+            )
+        return ds
+
+    def build():  # checked before it is stored: a recipe with too few rows leaves no entry
+        return enough(build_dataset(paths, tokenizer, d.max_length, pack=d.pack, limit=d.limit, seed=d.seed,
+                                    system=d.system, template_args=d.template_args))  # fmt: skip
+
+    ds = enough(cached_dataset(root, paths, tokenizer, settings, build, rank=rank))
     return split_heldout(ds, d.heldout, d.seed)
 
 
@@ -265,12 +286,10 @@ def _train_locked(
         files.remove_stale(output_dir, DRAFT_DIR)  # ... or while exporting the draft
     L.seed_everything(config.trainer.seed, workers=True, verbose=False)
     if target is None:
-        tc = config.target
-        target = load_target(
-            tc.spec, device=target_device(tc.device), dtype=tc.dtype, device_map=tc.device_map,
-            chat_template=tc.chat_template,
-        )  # fmt: skip
-    train_ds, heldout_ds = prepare_datasets(config, target.tokenizer)
+        target = _load_target(
+            config, whole=config.mode != "offline"
+        )  # offline: layers only if the capture runs
+    train_ds, heldout_ds = prepare_datasets(config, target.tokenizer, rank)
     pad_id = pad_id_of(target.tokenizer)
 
     counts_path = output_dir / TOKEN_COUNTS
@@ -297,12 +316,29 @@ def _train_locked(
         cache_dirs = (root / "train", root / "heldout")
         c = config.cache
         train_ds = rows_to_cache(train_ds, config, world_size, rank)
-        for ds, directory in zip((train_ds, heldout_ds), cache_dirs):
-            build_feature_cache(
-                target, ds, directory, objective.capture_layers, objective.teacher_topk, c.examples_per_shard,
-                c.batch_size, pad_id, feature_dtype=c.feature_dtype, rank=rank, world_size=world_size,
-            )  # fmt: skip
-        target.model.to("cpu")  # offline: the target's work is done; free the accelerator for the draft
+        complete = all(
+            feature_cache_complete(target, ds, directory, objective.capture_layers, objective.teacher_topk,
+                                   c.examples_per_shard, c.feature_dtype)
+            for ds, directory in zip((train_ds, heldout_ds), cache_dirs)
+        )  # fmt: skip
+        if not target.materialized and (not complete or objective.reads_target_layers):
+            target = _load_target(config, whole=True)  # the capture (or the draft) needs the target's layers
+            objective = build_objective(config.draft.kind, target, config.draft.options, token_counts)
+        if complete:
+            if rank == 0:
+                print(
+                    f"[draftsmith] offline: the feature cache {root} is complete"
+                    + ("; the target's layers are not loaded" if not target.materialized else ""),
+                    flush=True,
+                )
+        else:
+            for ds, directory in zip((train_ds, heldout_ds), cache_dirs):
+                build_feature_cache(
+                    target, ds, directory, objective.capture_layers, objective.teacher_topk, c.examples_per_shard,
+                    c.batch_size, pad_id, feature_dtype=c.feature_dtype, rank=rank, world_size=world_size,
+                )  # fmt: skip
+        if target.materialized:
+            target.model.to("cpu")  # offline: the target's work is done; free the accelerator for the draft
     train_loader, val_loader = make_loaders(config, train_ds, heldout_ds, pad_id, cache_dirs, target.dtype)
 
     module = DraftModule(objective, config, target, output_dir)
@@ -332,6 +368,22 @@ def _train_locked(
         print_summary(result)
     preemption.after_run()  # a signal during the final validation or export: saved, yet not exit 0
     return result
+
+
+def _load_target(config: TrainConfig, whole: bool) -> Target:
+    """The configured target; with ``whole`` False a skeleton (``load_target_skeleton``: the embedding, final
+    norm and LM head read from its safetensors, the layers never materialised), or the whole target where its
+    checkpoint cannot be read that way (a note says why)."""
+    tc = config.target
+    if not whole:
+        try:
+            return load_target_skeleton(tc.spec, "cpu", tc.dtype, tc.chat_template)
+        except (ValueError, FileNotFoundError) as err:
+            print(f"[draftsmith] offline: loading the whole target ({err})", flush=True)
+    return load_target(
+        tc.spec, device=target_device(tc.device), dtype=tc.dtype, device_map=tc.device_map,
+        chat_template=tc.chat_template,
+    )  # fmt: skip
 
 
 def print_summary(result: TrainResult) -> None:

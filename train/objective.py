@@ -105,6 +105,10 @@ class Objective(ABC):
         steps chain decoding would take along each row (``decoding_walk``)."""
         return decoding_walk(*self.chain_lengths(draft, batch, teacher, k), k)
 
+    reads_target_layers: bool = False
+    """True when ``build_draft`` copies the target's decoder layers; otherwise a target whose layers were
+    never loaded (offline, with a complete feature cache) serves: only its embedding, final norm and LM head."""
+
     on_policy: bool = False
     """True when ``prepare_batch`` needs the draft to generate (then the target must run online)."""
 

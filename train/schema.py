@@ -93,6 +93,10 @@ class DataConfig:
     template_args: Options = field(default_factory=dict)
     """Variables for the chat template, as the target is served with them (e.g. ``enable_thinking: false``
     for Qwen3; ``data regenerate --template-arg`` takes the same)."""
+    cache_dir: str | None = None
+    """Where the rendered, packed rows are kept for restarts and the other ranks (null =
+    <output.dir>/dataset_cache); one entry per data, tokenizer, template and settings. Share it between
+    runs on the same data (on a filesystem every rank sees)."""
 
 
 @dataclass(config=SECTION)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import datasets
+import numpy as np
 import torch
 
 from draftsmith.loading import tokenizer_fingerprint
@@ -265,8 +266,11 @@ def split_heldout(
         raise ValueError(f"n_heldout={n_heldout} must be >= 0 and below the number of rows ({len(ds)})")
     if n_heldout == 0:
         return ds, ds.select([])
-    parts = ds.train_test_split(test_size=n_heldout, shuffle=True, seed=seed)
-    return parts["train"], parts["test"]
+    # train_test_split's own permutation, with its index maps kept in memory: it would write them beside a
+    # dataset read from disk, into the dataset cache that ranks and runs share
+    order = np.random.default_rng(seed).permutation(len(ds))
+    heldout, rest = order[:n_heldout], order[n_heldout:]
+    return ds.select(rest, keep_in_memory=True), ds.select(heldout, keep_in_memory=True)
 
 
 def collate(rows: Sequence[dict], pad_id: int) -> Batch:

@@ -123,6 +123,7 @@ class DistillObjective(Objective):
         self.options = opts
         self.teacher_topk = target.vocab_size if topk == 0 else min(topk, target.vocab_size)
         self.merge_lora = bool(opts["merge_lora"])
+        self.reads_target_layers = opts["init"] == "target_layers"
         self.generator: torch.Generator | None = None  # made on the draft's device at first use
 
     @property
