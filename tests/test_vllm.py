@@ -145,7 +145,9 @@ def real_target():
     return load_target(TARGET, device="cpu", dtype="float32")
 
 
-@pytest.fixture(scope="module")
+# Each served fixture is used by one test and scoped to it, so that only one ``vllm serve`` runs at a time:
+# held for the module, four servers (and the one a regenerate job starts) outgrew the machine's memory.
+@pytest.fixture
 def medusa_served(real_target, tmp_path_factory):
     """A real ``vllm serve`` of the bundled target with Medusa heads exported by draftsmith."""
     root = tmp_path_factory.mktemp("vllm")
@@ -158,9 +160,7 @@ def medusa_served(real_target, tmp_path_factory):
         yield root / "draft", server
 
 
-@pytest.fixture(
-    scope="module", params=[{}, {"num_layers": 2, "draft_vocab_size": 8192}], ids=["1-layer", "2-layer-8k"]
-)
+@pytest.fixture(params=[{}, {"num_layers": 2, "draft_vocab_size": 8192}], ids=["1-layer", "2-layer-8k"])
 def dflash_served(real_target, tmp_path_factory, request):
     """A real ``vllm serve`` of the bundled target with a DFlash draft (trained for a minute on the target's
     own answers to the first dev prompts) exported by draftsmith: one layer sharing the target's LM head, and
@@ -190,7 +190,7 @@ def peagle_run(real_target, tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module", params=["vllm", "speculators"])
+@pytest.fixture(params=["vllm", "speculators"])
 def peagle_served(real_target, peagle_run, request):
     """vLLM serving that head in parallel, exported --to vllm or --to speculators (vLLM reads the speculators
     type only when the speculator is served as the model, which needs its verifier from the Hub: here the
@@ -206,7 +206,7 @@ def peagle_served(real_target, peagle_run, request):
         yield peagle_run / "draft", server
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def plain_served(real_target, tmp_path_factory):
     with vllm.Server(
         real_target.model.name_or_path, log=tmp_path_factory.mktemp("vllm") / "plain.log"
@@ -326,9 +326,10 @@ def test_regenerate_engine_vllm_killed_mid_run_resumes_every_row_once_in_order(t
         if out.exists() and out.read_text().count("\n") >= 3:
             break
         time.sleep(0.1)
-    assert job.poll() is None, (
-        f"the job ended before it could be killed: {job.stderr.read().decode()[-2000:]}"
-    )
+    if job.poll() is not None:
+        err = job.stderr.read().decode()
+        causes = [line for line in err.splitlines() if "Error" in line or "Killed" in line]
+        pytest.fail(f"the job ended before it could be killed: {causes[:6]}\n{err[-2000:]}")
     servers = descendants(job.pid)
     assert len(servers) >= 3, (
         "vLLM (its supervisor, API server, engine core and worker) should run under the job"
