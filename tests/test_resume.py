@@ -168,8 +168,10 @@ def test_checkpoints_leave_out_the_frozen_target_weights_and_refuse_another_targ
     tiny_model("llama", seed=1, layers=2).save_pretrained(other)
     tiny_tokenizer().save_pretrained(other)
     config = make_config(other, uniform_conversations, out, *eagle, "--trainer.max_steps=4")
+    recipe = (out / "config.yaml").read_text()
     with pytest.raises(ValueError, match=rf"trained for target '{tiny_target_dir}'.*--target.spec={tiny_target_dir}"):
         train(config, resume=True, force_resume=True, **QUIET)
+    assert (out / "config.yaml").read_text() == recipe  # refused before the run's recipe was rewritten
 
 
 def safe_open_keys(directory: Path) -> set[str]:

@@ -90,14 +90,10 @@ def drop_frozen(checkpoint: dict[str, Any], frozen: dict[str, torch.Tensor], tar
     checkpoint[FROZEN] = {"target": target, "tensors": left_out}
 
 
-def restore_frozen(checkpoint: dict[str, Any], frozen: dict[str, torch.Tensor], target: str, path) -> None:
-    """Put this run's frozen target weights back into a checkpoint ``drop_frozen`` wrote (one that still
-    holds them is left as it is), after checking they are the weights it was trained with."""
-    saved = checkpoint.get(FROZEN)
-    if saved is None or not saved["tensors"]:
-        return
-    state = checkpoint.setdefault("state_dict", {})
-    for key, want in saved["tensors"].items():
+def check_frozen(saved: dict | None, frozen: dict[str, torch.Tensor], target: str, path) -> None:
+    """Refuse a resume whose frozen target weights are not the ones the checkpoint (its ``FROZEN`` record,
+    ``saved``) was trained with."""
+    for key, want in (saved or {}).get("tensors", {}).items():
         have = frozen.get(key)
         if have is None or not same_fingerprint(want, fingerprint(have)):
             raise ValueError(
@@ -105,7 +101,27 @@ def restore_frozen(checkpoint: dict[str, Any], frozen: dict[str, torch.Tensor], 
                 f"of this run's target {target!r} is not the one it was trained with: resume with the same "
                 f"target (--target.spec={saved['target']}), or start the run anew in another --output.dir"
             )
-        state[key] = have
+
+
+def check_resume_target(path: Path, frozen: dict[str, torch.Tensor], target: str) -> None:
+    """``check_frozen`` against the checkpoint file at ``path`` before a resume writes anything (memory-mapped:
+    only its small ``FROZEN`` record is read). A DeepSpeed checkpoint folder is checked when it loads."""
+    if not Path(path).is_file():
+        return
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    check_frozen(checkpoint.get(FROZEN), frozen, target, path)
+
+
+def restore_frozen(checkpoint: dict[str, Any], frozen: dict[str, torch.Tensor], target: str, path) -> None:
+    """Put this run's frozen target weights back into a checkpoint ``drop_frozen`` wrote (one that still
+    holds them is left as it is), after checking they are the weights it was trained with."""
+    saved = checkpoint.get(FROZEN)
+    if saved is None or not saved["tensors"]:
+        return
+    check_frozen(saved, frozen, target, path)
+    state = checkpoint.setdefault("state_dict", {})
+    for key in saved["tensors"]:
+        state[key] = frozen[key]
 
 
 def last_checkpoint(output_dir: str | Path) -> Path | None:
