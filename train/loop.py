@@ -54,6 +54,7 @@ from draftsmith.train.registry import build_objective
 from draftsmith.train.resume import ExactResume
 from draftsmith.train.sampler import EvalSampler, ResumableDataLoader, ResumableSampler
 from draftsmith.train.schema import TrainConfig, to_dict
+from draftsmith.train.shard_target import check_shard_target
 
 TOKEN_COUNTS = "token_counts.safetensors"
 
@@ -196,6 +197,7 @@ def train(
     ``draftsmith train <output.dir>/config.yaml --resume``).
     """
     output_dir = Path(config.output.dir)
+    check_shard_target(config, env_rank()[2])
     check_strategy(config.trainer)
     resolved = resolve_auto_precision(config)
     if resolved != config:
@@ -237,9 +239,9 @@ def _train_locked(
     if target is None:
         tc = config.target
         target = load_target(
-            tc.spec, device=target_device(tc.device), dtype=tc.dtype, device_map=tc.device_map,
-            chat_template=tc.chat_template,
-        )  # fmt: skip
+            tc.spec, device="cpu" if tc.shard else target_device(tc.device), dtype=tc.dtype,
+            device_map=tc.device_map, chat_template=tc.chat_template,
+        )  # fmt: skip  (a sharded target goes to the device shard by shard: DraftModule.on_fit_start)
     train_ds, heldout_ds = prepare_datasets(config, target.tokenizer)
     pad_id = pad_id_of(target.tokenizer)
 
