@@ -1,6 +1,6 @@
 """One rank of the sharded-teacher test (``tests/test_shard_target.py``), started by torchrun.
 
-    torchrun --standalone --nproc-per-node 2 tests/shard_target_worker.py ARCH OUT
+    torchrun --standalone --nproc-per-node 2 tests/shard_target_worker.py ARCH tied|untied OUT
 
 Each rank builds the same tiny random-init target, computes the teacher for its own batch (with a padded
 row and a packed row), shards the target with ``shard_frozen_target``, computes the teacher again and
@@ -35,11 +35,14 @@ def rank_batch(rank: int, packed: bool) -> Batch:
     return Batch(ids, mask, mask.clone())
 
 
-def main(arch: str, out: str) -> None:
+def main(arch: str, tied: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    target = tiny_target(arch)
+    target = tiny_target(arch, tie_word_embeddings=tied == "tied")
+    assert (target.model.get_output_embeddings().weight is target.model.get_input_embeddings().weight) == (
+        tied == "tied"
+    )
     report = {"arch": arch}
     plain = [compute_teacher(target, rank_batch(rank, p), LAYERS, topk=8) for p in (False, True)]
     shard_frozen_target(target.model, torch.device("cpu"))

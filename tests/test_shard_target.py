@@ -23,12 +23,12 @@ TWO_RANKS = ("--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.batch_s
              "--trainer.ckpt_every=2", "--trainer.val_every=2", "--optim.lr=0.05")  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])  # gemma2: tied embeddings, sandwich norms, soft-capping
-def test_sharded_target_gives_the_same_teacher_and_holds_half(arch, tmp_path):
+@pytest.mark.parametrize("arch, tied", [("qwen3", "untied"), ("gemma2", "tied")])  # gemma2: sandwich norms, capping
+def test_sharded_target_gives_the_same_teacher_and_holds_half(arch, tied, tmp_path):
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(TESTS / "shard_target_worker.py"), arch, str(tmp_path)],
+         str(TESTS / "shard_target_worker.py"), arch, tied, str(tmp_path)],
         capture_output=True, text=True, timeout=240, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -77,6 +77,7 @@ def test_sharded_target_trains_as_an_unsharded_one(two_rank_runs):
         ((), "2 or more processes"),
         (("--trainer.devices=2", "--trainer.strategy=ddp_spawn"), "trainer.strategy='ddp_spawn'"),
         (("--trainer.devices=2", "--trainer.strategy=deepspeed_stage_3"), "trainer.strategy='deepspeed_stage_3'"),
+        (("--trainer.devices=2", "--trainer.strategy=fsdp"), "trainer.strategy='fsdp'"),
         (("--trainer.devices=2", "--trainer.strategy=ddp", "--mode=offline"), "mode: online"),
         (("--trainer.devices=2", "--trainer.strategy=ddp", "--target.device_map=auto"), "target.device_map: auto"),
     ],

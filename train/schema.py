@@ -47,7 +47,7 @@ class TargetConfig:
     shard: bool = False
     """Shard the frozen target's weights across the ranks (PyTorch FSDP2, each decoder layer a unit), for an
     online run whose target does not fit on one GPU: each rank holds 1/N of it plus one layer gathered at a
-    time. Needs 2+ processes and trainer.strategy ddp or fsdp; the target is read into host memory, then
+    time. Needs 2+ processes, mode online and trainer.strategy ddp; the target is read into host memory, then
     sharded onto each rank's device when training starts (docs/TRAINING.md has the memory arithmetic)."""
     chat_template: str | None = None
     """A Jinja file with the chat template to render conversations with, for a target whose tokenizer has

@@ -18,8 +18,11 @@ from torch import nn
 from draftsmith.decode.features import decoder_layers
 from draftsmith.train.schema import TrainConfig, TrainerConfig
 
-SHARDABLE_STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "fsdp", "fsdp_cpu_offload")
-"""Draft strategies that run in the processes the target is sharded over, on the default process group."""
+SHARDABLE_STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true")
+"""Draft strategies a sharded target runs beside: DDP in the processes the target is sharded over, on the
+default process group (auto resolves to it with several devices). Lightning's FSDP for the draft beside
+FSDP2 for the target is not offered: it needs GPUs, so it cannot be tested on the CPU, and an EAGLE-3
+head for a 70B target fits a rank under DDP (docs/TRAINING.md)."""
 
 
 def planned_processes(t: TrainerConfig, launched_world_size: int) -> int:
@@ -49,14 +52,14 @@ def check_shard_target(config: TrainConfig, launched_world_size: int) -> None:
         )
     strategy = config.trainer.strategy
     if strategy not in SHARDABLE_STRATEGIES:
-        why = (
-            "spawns its ranks from a process that already holds the whole target"
-            if strategy == "ddp_spawn"
-            else "runs its own engine and ZeRO partitioning, which this run does not combine with FSDP2"
-        )
+        if strategy == "ddp_spawn":
+            why = "it spawns its ranks from a process that already holds the whole target"
+        elif strategy.startswith("fsdp"):
+            why = "sharding the draft too beside a sharded target is not supported yet"
+        else:
+            why = "DeepSpeed runs its own engine and partitioning, not combined with the target's FSDP2"
         raise ValueError(
-            f"target.shard cannot combine with trainer.strategy={strategy!r} ({why}): use trainer.strategy: "
-            "ddp (or fsdp for a large draft)"
+            f"target.shard cannot combine with trainer.strategy={strategy!r} ({why}): use trainer.strategy: ddp"
         )
     if config.target.device_map == "auto":
         raise ValueError(
@@ -81,7 +84,9 @@ def is_sharded(model: nn.Module) -> bool:
 def shard_frozen_target(model: nn.Module, device: torch.device) -> nn.Module:
     """Shard ``model`` in place over all ranks of the default process group, onto ``device``.
 
-    Each decoder layer is its own unit (gathered for its forward, freed after), the root holds the rest.
+    Each decoder layer is its own unit (gathered for its forward, freed after), and so are the input
+    embedding and the LM head when they are not tied (a 128k vocabulary makes each as large as a layer);
+    the root holds the rest.
     The weights move to ``device`` one unit at a time, so a rank never holds the whole target there.
     Calling it again on a sharded model does nothing.
     """
@@ -98,9 +103,13 @@ def shard_frozen_target(model: nn.Module, device: torch.device) -> nn.Module:
         )
     model.requires_grad_(False).eval()
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    units = list(decoder_layers(model))
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and head.weight is not embed.weight:  # untied: each gathered only for its own step
+        units += [embed, head]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)  # the rest: tied embeddings, final norm
     return model
 
 
