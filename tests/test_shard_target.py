@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from test_distributed import logged_losses
 from test_loop import QUIET, make_config, tiny_target_dir  # noqa: F401 (fixture)
 from test_resume import run_worker, uniform_conversations  # noqa: F401 (fixture)
@@ -104,3 +105,16 @@ def test_cli_refuses_shard_in_one_process(capsys, tmp_path):
 
 def test_shard_is_in_train_help():
     assert re.search(r"target\.shard  \(bool, default False\)\n\s+Shard the frozen target", describe())
+
+
+def test_a_run_from_before_target_shard_resumes(tiny_target_dir, uniform_conversations, tmp_path):  # noqa: F811
+    """Sharding is where the target runs, not what the run computes: a resume may switch it, and a run whose
+    config.yaml predates the key (written without it) resumes without --force-resume."""
+    out = tmp_path / "run"
+    steps = ("--trainer.max_steps=2", "--trainer.val_every=100", "--trainer.ckpt_every=1")
+    train(make_config(tiny_target_dir, uniform_conversations, out, *steps), **QUIET)
+    recorded = yaml.safe_load((out / "config.yaml").read_text())
+    assert recorded["target"].pop("shard") is False
+    (out / "config.yaml").write_text(yaml.safe_dump(recorded, sort_keys=False))
+    longer = make_config(tiny_target_dir, uniform_conversations, out, *steps, "--trainer.max_steps=3")
+    assert train(longer, resume=True, **QUIET).steps == 3
