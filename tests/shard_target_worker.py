@@ -49,6 +49,8 @@ def main(arch: str, tied: str, out: str) -> None:
     shard_frozen_target(target.model, torch.device("cpu"))  # again (each validation start): a no-op
     report["sharded"] = is_sharded(target.model)
     report["local"], report["total"] = local_parameter_count(target.model)
+    storages = {p.to_local().untyped_storage() for p in target.model.parameters()}  # what the rank really keeps
+    report["stored_bytes"] = sum(s.nbytes() for s in {s.data_ptr(): s for s in storages}.values())
     sharded = [compute_teacher(target, rank_batch(rank, p), LAYERS, topk=8) for p in (False, True)]
     report["feature_diff"] = max(
         (a.features[i] - b.features[i]).abs().max().item() for a, b in zip(plain, sharded) for i in LAYERS
