@@ -49,13 +49,15 @@ def main(arch: str, tied: str, out: str) -> None:
     shard_frozen_target(target.model, torch.device("cpu"))  # again (each validation start): a no-op
     report["sharded"] = is_sharded(target.model)
     report["local"], report["total"] = local_parameter_count(target.model)
-    storages = {p.to_local().untyped_storage() for p in target.model.parameters()}  # what the rank really keeps
+    # what the rank really keeps: the storages behind its local shards
+    storages = {p.to_local().untyped_storage() for p in target.model.parameters()}
     report["stored_bytes"] = sum(s.nbytes() for s in {s.data_ptr(): s for s in storages}.values())
     sharded = [compute_teacher(target, rank_batch(rank, p), LAYERS, topk=8) for p in (False, True)]
     report["feature_diff"] = max(
         (a.features[i] - b.features[i]).abs().max().item() for a, b in zip(plain, sharded) for i in LAYERS
     )
-    report["logit_diff"] = max((a.topk_logits - b.topk_logits).abs().max().item() for a, b in zip(plain, sharded))
+    logit_diffs = [(a.topk_logits - b.topk_logits).abs().max().item() for a, b in zip(plain, sharded)]
+    report["logit_diff"] = max(logit_diffs)
     report["same_ids"] = all(torch.equal(a.topk_ids, b.topk_ids) for a, b in zip(plain, sharded))
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()

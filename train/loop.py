@@ -238,10 +238,11 @@ def _train_locked(
     L.seed_everything(config.trainer.seed, workers=True, verbose=False)
     if target is None:
         tc = config.target
+        # a sharded target is opened on the host and moved to the device shard by shard (DraftModule.on_fit_start)
         target = load_target(
             tc.spec, device="cpu" if tc.shard else target_device(tc.device), dtype=tc.dtype,
             device_map=tc.device_map, chat_template=tc.chat_template,
-        )  # fmt: skip  (a sharded target goes to the device shard by shard: DraftModule.on_fit_start)
+        )  # fmt: skip
     train_ds, heldout_ds = prepare_datasets(config, target.tokenizer)
     pad_id = pad_id_of(target.tokenizer)
 
