@@ -20,8 +20,10 @@ from draftsmith.train.loop import train
 from draftsmith.train.schema import describe
 
 TESTS = Path(__file__).resolve().parent
-TWO_RANKS = ("--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.batch_size=2", "--trainer.max_steps=4",
-             "--trainer.ckpt_every=2", "--trainer.val_every=2", "--optim.lr=0.05")  # fmt: skip
+# Online EAGLE-3, the training the option exists for (its head copies the target's embedding and LM head
+# before the target is sharded).
+TWO_RANKS = ("--draft.kind=eagle3", "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.batch_size=2",
+             "--trainer.max_steps=4", "--trainer.ckpt_every=2", "--trainer.val_every=2", "--optim.lr=0.05")  # fmt: skip
 
 
 # gemma2: sandwich norms, soft-capping, and here tied embeddings
