@@ -70,6 +70,7 @@ from draftsmith.train.registry import build_objective
 from draftsmith.train.resume import ExactResume
 from draftsmith.train.sampler import EvalSampler, ResumableDataLoader, ResumableSampler
 from draftsmith.train.schema import TrainConfig, to_dict
+from draftsmith.train.shard_target import check_shard_target
 
 TOKEN_COUNTS = "token_counts.safetensors"
 
@@ -235,6 +236,7 @@ def train(
     ``draftsmith train <output.dir>/config.yaml``), the command that works then.
     """
     output_dir = Path(config.output.dir)
+    check_shard_target(config, env_rank()[2])
     check_strategy(config.trainer)
     resolved = resolve_auto_precision(config)
     if resolved != config:
@@ -386,9 +388,10 @@ def _load_target(config: TrainConfig, whole: bool) -> Target:
             return load_target_skeleton(tc.spec, "cpu", tc.dtype, tc.chat_template)
         except (ValueError, FileNotFoundError) as err:
             print(f"[draftsmith] offline: loading the whole target ({err})", flush=True)
+    # a sharded target is opened on the host and moved to the device shard by shard (DraftModule.on_fit_start)
     return load_target(
-        tc.spec, device=target_device(tc.device), dtype=tc.dtype, device_map=tc.device_map,
-        chat_template=tc.chat_template,
+        tc.spec, device="cpu" if tc.shard else target_device(tc.device), dtype=tc.dtype,
+        device_map=tc.device_map, chat_template=tc.chat_template,
     )  # fmt: skip
 
 

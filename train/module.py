@@ -86,11 +86,27 @@ class DraftModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.target is None or self.config.mode != "online":
             return
+        if self.config.target.shard:  # each rank keeps 1/N of the target (train/shard_target.py)
+            self._shard_target()
+            return
         placed = set(getattr(self.target.model, "hf_device_map", {}).values())
         if len(placed) <= 1:  # a target spread over several devices (device_map: auto) stays where it is
             self.target.model.to(self.device)
 
     on_validation_start = on_fit_start
+
+    def _shard_target(self) -> None:
+        from draftsmith.train.shard_target import is_sharded, local_parameter_count, shard_frozen_target
+
+        if is_sharded(self.target.model):
+            return
+        shard_frozen_target(self.target.model, self.device)
+        local, total = local_parameter_count(self.target.model)
+        print(
+            f"[draftsmith] rank {self.global_rank}: target sharded over {self.trainer.world_size} ranks, "
+            f"{local:,} of its {total:,} parameters here ({local / total:.0%})",
+            flush=True,
+        )
 
     def _with_teacher(self, batch) -> tuple[Batch, Teacher]:
         if isinstance(batch, Batch):  # online: one no-grad target forward

@@ -21,7 +21,7 @@ from draftsmith.train.schema import TrainConfig, to_dict
 RESUME_SAFE = ("trainer.max_steps", "trainer.max_time", "trainer.log_every", "trainer.ckpt_every",
                "trainer.keep_checkpoints", "trainer.loggers", "trainer.devices", "trainer.num_nodes",
                "trainer.strategy", "trainer.accelerator", "trainer.num_workers", "target.device",
-               "target.device_map")  # fmt: skip
+               "target.device_map", "target.shard")  # fmt: skip
 """Recipe keys a resumed run may change without breaking exact resume: when it stops, logging, and where
 it runs (docs/TRAINING.md, "Another world size"; ``trainer.batch_size`` too while the global batch stays)."""
 RECIPE_HISTORY = "recipe_history.jsonl"

@@ -62,6 +62,11 @@ class TargetConfig:
     """Load the weights straight onto their device(s) instead of materialising them in host memory first:
     null = load, then move to ``device``; "auto" = spread one copy over all visible GPUs (accelerate;
     single process only); "device" = straight onto ``device`` (each rank its own GPU)."""
+    shard: bool = False
+    """Shard the frozen target's weights across the ranks (PyTorch FSDP2, each decoder layer a unit), for an
+    online run whose target does not fit on one GPU: each rank holds 1/N of it plus one layer gathered at a
+    time. Needs 2+ processes, mode online and trainer.strategy ddp; the target is read into host memory, then
+    sharded onto each rank's device when training starts (docs/TRAINING.md has the memory arithmetic)."""
     chat_template: str | None = None
     """A Jinja file with the chat template to render conversations with, for a target whose tokenizer has
     none (a base model) or another; evaluate the draft with the same file (eval --chat-template)."""
