@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 from test_loop import QUIET, conversations, make_config, tiny_target_dir  # noqa: F401 (fixtures)
 from tiny import tiny_target
 
@@ -159,6 +160,20 @@ def test_a_resume_with_a_changed_recipe_is_refused_unless_safe_or_forced(
     assert entries[0]["changes"]["trainer.max_steps"] == {"was": 2, "now": 3} and not entries[0]["forced"]
     assert entries[1]["changes"]["optim.lr"] == {"was": 0.1, "now": 0.05} and entries[1]["forced"]
     assert "lr: 0.05" in (out / "config.yaml").read_text()
+
+
+def test_a_run_recorded_before_keys_were_added_resumes_after_an_upgrade(tiny_target_dir, conversations, tmp_path):  # noqa: F811
+    """A key this version added (its default taken) is no recipe change: the run's config.yaml, written by an
+    older draftsmith, lacks it."""
+    out = tmp_path / "run"
+    base = ("--trainer.max_steps=2", "--trainer.ckpt_every=1", "--trainer.val_every=2")
+    train(make_config(tiny_target_dir, conversations, out, *base), **QUIET)
+    recorded = yaml.safe_load((out / "config.yaml").read_text())
+    for section, key in (("target", "shard"), ("data", "template_args"), ("trainer", "loggers")):
+        del recorded[section][key]  # not None by default: an older run read as None would differ
+    (out / "config.yaml").write_text(yaml.safe_dump(recorded, sort_keys=False))
+    longer = make_config(tiny_target_dir, conversations, out, *base, "--trainer.max_steps=3")
+    assert train(longer, resume=True, **QUIET).steps == 3
 
 
 def test_yaml_mistakes_name_the_file_line_and_fix(tmp_path):

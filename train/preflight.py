@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import yaml
+from pydantic import TypeAdapter, ValidationError
 
 from draftsmith import files
 from draftsmith.sources import check_source
@@ -43,6 +44,15 @@ def recipe_changes(saved: dict, current: dict) -> dict[str, tuple]:
     return {
         k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k != "output.dir"
     }
+
+
+def as_read_now(saved: dict) -> dict:
+    """A run's recorded recipe as this version's schema reads it: keys added since it was written take their
+    defaults, so resuming after an upgrade is no recipe change; a recipe it cannot read is compared as written."""
+    try:
+        return to_dict(TypeAdapter(TrainConfig).validate_python(saved))
+    except (ValidationError, ValueError, TypeError):
+        return saved
 
 
 def global_batch(recipe: dict) -> int | None:
@@ -87,7 +97,7 @@ def preflight(config: TrainConfig, resume: bool, overwrite: bool, force_resume: 
     if not resume or not (output_dir / "config.yaml").is_file():
         return {}
     saved = yaml.safe_load((output_dir / "config.yaml").read_text()) or {}
-    changes = recipe_changes(saved, to_dict(config))
+    changes = recipe_changes(as_read_now(saved), to_dict(config))
     unsafe = {k: v for k, v in changes.items() if k not in RESUME_SAFE}
     if (
         set(unsafe) == {"trainer.batch_size"}
