@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "restart_s": round(restart, 3),
         "restarts_s": [round(t, 3) for t in restarts],
         "speedup": round(first / restart, 1),
-        "provenance": provenance(),
+        "provenance": provenance(seed=args.seed),
     }
     print(
         f"\ndata stage of `draftsmith train`, {args.conversations:,} synthetic conversations, {name}'s template,"
