@@ -1,20 +1,28 @@
 """Several processes on the CPU (DDP over gloo), launched by Lightning from a subprocess so pytest itself
 is never forked: the same loss curve as one process with the same global batch, and a checkpoint
-written by 2 processes that resumes in 1. Plus the strategy choice and its errors."""
+written by 2 processes that resumes in 1; a short offline run whose cache every rank agrees on, under
+Lightning's launcher as under torchrun. Plus the strategy choice, the ranks planned before launch, and
+their errors."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from test_loop import QUIET, make_config, tiny_target_dir  # noqa: F401 (fixture)
-from test_resume import final_weights, run_worker, uniform_conversations  # noqa: F401 (fixture)
+from test_resume import WORKER, final_weights, run_worker, uniform_conversations  # noqa: F401 (fixture)
 
 from draftsmith.train.config import load_config
-from draftsmith.train.distributed import build_strategy, env_rank
+from draftsmith.train.distributed import build_strategy, capture_rank, env_rank, planned_rank
 from draftsmith.train.loop import train
+from draftsmith.train.schema import TrainerConfig
 
 # 20 training rows; global batch 4 (2 ranks x 2, or 1 x 4): 5 steps an epoch.
 COMMON = ("--trainer.max_steps=4", "--trainer.ckpt_every=2", "--trainer.val_every=100", "--optim.lr=0.05")
@@ -76,6 +84,74 @@ def test_two_process_checkpoint_resumes_in_one(ddp_run, tiny_target_dir, uniform
         torch.testing.assert_close(final_weights(resumed)[name], value, rtol=1e-4, atol=1e-6)
 
 
+# 20 training rows; 2 steps of 2 ranks x 2 rows read 8 of them: the cache holds 4 shards of 2, not all 10
+SHORT_OFFLINE = ("--mode=offline", "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.batch_size=2",
+                 "--trainer.max_steps=2", "--trainer.val_every=100", "--cache.examples_per_shard=2")  # fmt: skip
+
+
+def run_ranks(*args: str, timeout: float, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """tests/train_worker.py on 2 ranks (started by Lightning's launcher, or all at once by torchrun), in a
+    session of its own that is killed whole when it outlives ``timeout``: a hang fails the test and leaves
+    no rank waiting behind it."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+    proc = subprocess.Popen(
+        [*(launcher if torchrun else [sys.executable]), str(WORKER), *map(str, args)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"2 ranks still running after {timeout:g} s (hung):\n{out[-2000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def short_offline_run(tiny_target_dir, uniform_conversations, tmp_path_factory):  # noqa: F811
+    """A short offline run on 2 ranks started by Lightning's own launcher: rank 1 exists only from fit on."""
+    root = tmp_path_factory.mktemp("short_offline")
+    proc = run_ranks(tiny_target_dir, uniform_conversations, root / "run", *SHORT_OFFLINE,
+                     f"--cache.dir={root / 'cache'}", timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return root
+
+
+def test_lightnings_launcher_caches_a_short_offline_run_that_every_rank_agrees_on(
+    short_offline_run, tiny_target_dir, uniform_conversations, tmp_path  # noqa: F811
+):
+    cache = short_offline_run / "cache" / "train"
+    shards = {path.name: path.stat().st_mtime_ns for path in cache.glob("shard-*.safetensors")}
+    assert len(shards) == 4  # the 8 rows 2 ranks read, not the 4 one rank would
+    again = run_ranks(tiny_target_dir, uniform_conversations, tmp_path / "again", *SHORT_OFFLINE,
+                      f"--cache.dir={short_offline_run / 'cache'}", "--no-target-layers", timeout=240)  # fmt: skip
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-4000:]
+    both = again.stdout + again.stderr
+    assert "is complete" in again.stdout  # ... on every rank: none loaded the target's layers to capture
+    assert all(f"rank {rank}: target layers on meta" in both for rank in (0, 1)), both[-3000:]
+    assert {path.name: path.stat().st_mtime_ns for path in cache.glob("shard-*.safetensors")} == shards
+    ours, theirs = logged_losses(tmp_path / "again"), logged_losses(short_offline_run / "run")
+    assert sorted(ours) == sorted(theirs) == [0, 1]
+    for step, loss in theirs.items():
+        assert ours[step] == pytest.approx(loss, abs=1e-6, rel=0), (step, ours, theirs)
+
+
+def test_a_short_offline_run_trains_the_same_under_torchrun(
+    short_offline_run, tiny_target_dir, uniform_conversations, tmp_path  # noqa: F811
+):
+    """Every rank alive from the start and capturing its own shards: the same rows, the same losses."""
+    proc = run_ranks(tiny_target_dir, uniform_conversations, tmp_path / "run", *SHORT_OFFLINE,
+                     f"--cache.dir={tmp_path / 'cache'}", timeout=240, torchrun=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "over 2 ranks" in proc.stdout  # the capture was split, unlike under Lightning's launcher
+    assert len(list((tmp_path / "cache" / "train").glob("shard-*.safetensors"))) == 4
+    ours, theirs = logged_losses(tmp_path / "run"), logged_losses(short_offline_run / "run")
+    assert sorted(ours) == sorted(theirs) == [0, 1]
+    for step, loss in theirs.items():
+        assert ours[step] == pytest.approx(loss, abs=1e-6, rel=0), (step, ours, theirs)
+
+
 def test_deepspeed_without_deepspeed_names_the_extra(monkeypatch):
     import draftsmith.train.distributed as distributed
 
@@ -107,6 +183,17 @@ def test_strategies_resolve():
     assert build_strategy(load_config(None, ["--data.paths=[a.jsonl]"], presets=["ddp"]).trainer) == "ddp"
 
 
+LAUNCH_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID", "SLURM_LOCALID",
+               "SLURM_NTASKS", "SLURM_JOB_NAME", "LOCAL_WORLD_SIZE")  # fmt: skip
+
+
+def launched_by(monkeypatch, env: dict[str, str]) -> None:
+    for key in LAUNCH_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
 @pytest.mark.parametrize(
     "env, want",
     [
@@ -121,12 +208,41 @@ def test_strategies_resolve():
     ],
 )
 def test_rank_from_the_launchers_environment(monkeypatch, env, want):
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
-                "SLURM_JOB_NAME", "LOCAL_WORLD_SIZE"):  # fmt: skip
-        monkeypatch.delenv(key, raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    launched_by(monkeypatch, env)
     assert env_rank() == want
+
+
+LIGHTNING_CHILD = {"LOCAL_RANK": "1", "NODE_RANK": "0", "WORLD_SIZE": "2"}  # what its launcher gives rank 1
+
+
+@pytest.mark.parametrize(
+    "devices, nodes, env, planned, capture",
+    [
+        (2, 1, {}, (0, 0, 2), (0, 1)),  # Lightning's launcher, before fit: rank 1 does not exist yet
+        (2, 1, LIGHTNING_CHILD, (1, 1, 2), (1, 2)),  # ... and the rank it starts at fit: the same world
+        ("[0, 1, 2]", 1, {}, (0, 0, 3), (0, 1)),
+        ("0,1", 1, {}, (0, 0, 2), (0, 1)),
+        ("auto", 1, {}, (0, 0, 1), (0, 1)),  # on the CPU: one process
+        (1, 1, {}, (0, 0, 1), (0, 1)),
+        (4, 2, {"NODE_RANK": "1"}, (4, 0, 8), (1, 2)),  # second node's first process, before fit
+        (4, 2, {"LOCAL_RANK": "3", "NODE_RANK": "1", "WORLD_SIZE": "8"}, (7, 3, 8), (7, 8)),  # ... its rank 3
+        (2, 1, {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, (1, 1, 2), (1, 2)),  # torchrun
+    ],
+)
+def test_the_planned_world_is_the_same_before_and_after_lightning_starts_the_ranks(
+    monkeypatch, devices, nodes, env, planned, capture
+):
+    launched_by(monkeypatch, env)
+    t = dataclasses.replace(TrainerConfig(), accelerator="cpu", strategy="ddp", devices=devices, num_nodes=nodes)
+    assert planned_rank(t) == planned
+    assert capture_rank(t) == capture
+
+
+def test_devices_that_are_no_count_are_named(monkeypatch):
+    launched_by(monkeypatch, {})
+    t = dataclasses.replace(TrainerConfig(), accelerator="cpu", devices="two")
+    with pytest.raises(ValueError, match=r"trainer.devices='two'.*8, '\[0, 1\]' or auto"):
+        planned_rank(t)
 
 
 def test_large_target_options_load_bf16_frozen_in_place(tiny_target_dir):  # noqa: F811

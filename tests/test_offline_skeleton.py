@@ -85,8 +85,7 @@ def test_two_ranks_train_from_a_complete_cache_without_the_targets_layers(conver
     """2 gloo ranks: a first run captures the cache sharded over the ranks with the whole target; a second,
     in which loading the whole target raises on every rank, trains to the same losses."""
     target = saved_target(tmp_path / "target")
-    # 5 steps of 4 rows read every training row on 1 rank as on 2: Lightning's launcher starts rank 1 only at
-    # fit, so rank 0 sizes the cache as a single rank, and both must ask for the same rows
+    # 5 steps of 2 ranks x 4 rows read every training row (a run reading fewer: tests/test_distributed.py)
     flags = (*EAGLE3, f"--cache.dir={tmp_path / 'cache'}", "--trainer.strategy=ddp", "--trainer.devices=2",
              "--trainer.batch_size=4", "--trainer.max_steps=5", "--cache.examples_per_shard=4")  # fmt: skip
     first = run_worker(target, conversations, tmp_path / "whole", *flags, timeout=240)

@@ -25,26 +25,91 @@ from draftsmith.train.schema import TrainConfig, TrainerConfig
 DEEPSPEED_INSTALL = "pip install 'draftsmith[deepspeed]'"
 
 
-def env_rank() -> tuple[int, int, int]:
+def env_rank(num_nodes: int | None = None) -> tuple[int, int, int]:
     """(global rank, local rank, world size) from the launcher's environment (torchrun, SLURM, Lightning).
 
     Known before any process group exists, so the target can be loaded onto the right device and
-    the offline cache split across ranks before training starts. (0, 0, 1) when not launched.
+    the offline cache split across ranks before training starts. (0, 0, 1) when not launched: then
+    ``planned_rank`` says what this process will be once Lightning's launcher starts the others.
+    ``num_nodes`` gives the processes per node where Lightning's launcher leaves them unsaid.
     """
+    return _launched_rank(num_nodes) or (0, 0, 1)
+
+
+def _launched_rank(num_nodes: int | None) -> tuple[int, int, int] | None:
     env = os.environ
     if "WORLD_SIZE" in env and ("RANK" in env or "LOCAL_RANK" in env):  # torchrun, Lightning's launcher
-        local = int(env.get("LOCAL_RANK", 0))
+        local, world = int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"])
         if "RANK" in env:
-            return int(env["RANK"]), local, int(env["WORLD_SIZE"])
-        per_node = int(env.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or 1))
-        return int(env.get("NODE_RANK", 0)) * per_node + local, local, int(env["WORLD_SIZE"])
+            return int(env["RANK"]), local, world
+        if "LOCAL_WORLD_SIZE" in env:
+            per_node = int(env["LOCAL_WORLD_SIZE"])
+        else:  # Lightning's launcher: WORLD_SIZE is its processes per node x num_nodes
+            per_node = world // num_nodes if num_nodes else torch.cuda.device_count() or 1
+        return _node_rank() * per_node + local, local, world
     if (
         "SLURM_PROCID" in env
         and "SLURM_NTASKS" in env
         and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
     ):
         return int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"])
-    return 0, 0, 1
+    return None
+
+
+def _node_rank() -> int:
+    """This node's index as Lightning's own environment reads it (set by the user on each node)."""
+    return int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", 0)))
+
+
+def devices_per_node(t: TrainerConfig) -> int:
+    """How many processes Lightning runs on each node for ``trainer.devices``: an int, ``"auto"``/-1 (every
+    visible GPU, or 1 on the CPU), a count as a string, or a list of device ids (``"[0, 1]"``, ``"0,1"``)."""
+    devices = t.devices
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "auto":
+            devices = -1
+        elif "," in text or text.startswith("["):
+            return max(1, len([d for d in text.strip("[]").split(",") if d.strip()]))
+        else:
+            try:
+                devices = int(text)
+            except ValueError:
+                raise ValueError(
+                    f"trainer.devices={t.devices!r} is not a device count, a list of device ids or auto; "
+                    "write e.g. 8, '[0, 1]' or auto"
+                ) from None
+    if devices == -1:
+        return (torch.cuda.device_count() or 1) if trainer_device_type(t) == "cuda" else 1
+    return max(1, devices)
+
+
+def planned_rank(t: TrainerConfig) -> tuple[int, int, int]:
+    """(global rank, local rank, world size) this process trains as, the same before and after
+    ``trainer.fit``: the launcher's when it started every rank (torchrun, SLURM, a rank Lightning started);
+    else what Lightning's own launcher will make of this process, the first of its node (``NODE_RANK``),
+    in a world of ``trainer.devices`` x ``trainer.num_nodes`` processes. Every strategy draftsmith accepts
+    runs one process per device, so that product is the world size whatever the strategy."""
+    launched = _launched_rank(t.num_nodes)
+    if launched is not None:
+        return launched
+    per_node = devices_per_node(t)
+    return _node_rank() * per_node, 0, per_node * t.num_nodes
+
+
+def capture_rank(t: TrainerConfig) -> tuple[int, int]:
+    """(index, count) of this process among those that fill the offline feature cache before training.
+
+    A launcher that started every rank (torchrun, SLURM) lets all of them capture, rank r its shards. Under
+    Lightning's own launcher only each node's first process exists before ``trainer.fit``; the others are
+    started by fit, after the capture, so a shard left to them would be waited for forever. There the
+    nodes' first processes (all started by the user) capture every shard between them, node n the shards
+    ``i % num_nodes == n``, and the ranks fit starts find the cache complete.
+    """
+    launched = _launched_rank(t.num_nodes)
+    if launched is not None:
+        return launched[0], launched[2]
+    return _node_rank(), t.num_nodes
 
 
 def target_device(device: str) -> str:

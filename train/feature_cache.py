@@ -12,8 +12,10 @@ covers the whole vocabulary: the ids are then 0..V-1), with a hash of its rows i
 Shards are written to a temporary name and renamed, so a crash leaves only whole shards; a rerun
 skips every shard whose row hash still matches.
 
-On several ranks, rank r writes the shards ``i % world_size == r`` (and later reads the same ones,
-see ``train/sampler.py``); rank 0 writes the manifest and every rank waits until all shards are whole.
+On several processes, process r of W writes the shards ``i % W == r``; process 0 writes the manifest and
+every process waits until all shards are whole. They are the ranks themselves under torchrun or srun, and
+each node's first process under Lightning's launcher (``train/distributed.capture_rank`` says why);
+training rank r then reads the shards ``i % world_size == r`` (``train/sampler.py``).
 """
 
 from __future__ import annotations

@@ -41,9 +41,10 @@ from draftsmith.train.corpus.dataset_cache import default_root as default_datase
 from draftsmith.train.corpus.tokens import build_dataset, collate, count_tokens, pad_id_of, split_heldout
 from draftsmith.train.distributed import (
     build_strategy,
+    capture_rank,
     check_strategy,
     enable_activation_checkpointing,
-    env_rank,
+    planned_rank,
     resolve_auto_precision,
     target_device,
 )
@@ -247,7 +248,8 @@ def train(
         )
     config = resolved
     preflight(config, resume, overwrite, force_resume)  # before the lock: a bad recipe writes nothing
-    rank, _, world_size = env_rank()  # known before Lightning starts the process group
+    # the rank and world size training will have, before Lightning's launcher starts the other ranks as after
+    rank, _, world_size = planned_rank(config.trainer)
     resume_command = (
         resume_command or f"draftsmith train {shlex.quote(str(output_dir / 'config.yaml'))} --resume"
     )
@@ -340,10 +342,11 @@ def _train_locked(
                     flush=True,
                 )
         else:
+            capturer, capturers = capture_rank(config.trainer)  # only the processes alive now: see there
             for ds, directory in zip((train_ds, heldout_ds), cache_dirs):
                 build_feature_cache(
                     target, ds, directory, objective.capture_layers, objective.teacher_topk, c.examples_per_shard,
-                    c.batch_size, pad_id, feature_dtype=c.feature_dtype, rank=rank, world_size=world_size,
+                    c.batch_size, pad_id, feature_dtype=c.feature_dtype, rank=capturer, world_size=capturers,
                 )  # fmt: skip
         if target.materialized:
             target.model.to("cpu")  # offline: the target's work is done; free the accelerator for the draft

@@ -14,7 +14,7 @@ Two orders:
   row of it. A global batch is then the same set of rows for any world size with the same global
   batch size, so a run on 2 processes matches one on 1 process, and resumes on either.
 - by shard (the offline feature cache): rank r reads only the cache shards ``i % W == r`` (the ones
-  it wrote), shuffled within the rank per epoch; each rank touches 1/W of the files.
+  it wrote under torchrun or srun), shuffled within the rank per epoch; each rank touches 1/W of the files.
 """
 
 from __future__ import annotations
