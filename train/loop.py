@@ -237,7 +237,7 @@ def train(
     ``draftsmith train <output.dir>/config.yaml``), the command that works then.
     """
     output_dir = Path(config.output.dir)
-    check_shard_target(config, env_rank()[2])
+    check_shard_target(config, planned_rank(config.trainer)[2])
     check_strategy(config.trainer)
     resolved = resolve_auto_precision(config)
     if resolved != config:

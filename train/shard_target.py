@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from draftsmith.decode.features import decoder_layers
-from draftsmith.train.schema import TrainConfig, TrainerConfig
+from draftsmith.train.schema import TrainConfig
 
 SHARDABLE_STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true")
 """Draft strategies a sharded target runs beside: DDP in the processes the target is sharded over, on the
@@ -25,24 +25,9 @@ FSDP2 for the target is not offered: it needs GPUs, so it cannot be tested on th
 head for a 70B target fits a rank under DDP (docs/TRAINING.md)."""
 
 
-def planned_processes(t: TrainerConfig, launched_world_size: int) -> int:
-    """How many processes the run will have: the launcher's world size (torchrun, srun), else what
-    Lightning's own launcher will start from ``trainer.devices`` x ``trainer.num_nodes``."""
-    if launched_world_size > 1:
-        return launched_world_size
-    devices = str(t.devices).strip()
-    if devices in ("auto", "-1"):
-        wants_gpu = t.accelerator in ("auto", "gpu", "cuda")
-        per_node = torch.cuda.device_count() if wants_gpu and torch.cuda.is_available() else 1
-    elif devices.lstrip("-").isdigit():
-        per_node = int(devices)
-    else:  # a list of device ids: "[0, 1]" or "0,1"
-        per_node = len([d for d in devices.strip("[]").split(",") if d.strip()])
-    return max(1, per_node) * t.num_nodes
-
-
-def check_shard_target(config: TrainConfig, launched_world_size: int) -> None:
-    """Refuse ``target.shard`` where it cannot work, before anything is loaded or written."""
+def check_shard_target(config: TrainConfig, processes: int) -> None:
+    """Refuse ``target.shard`` where it cannot work, before anything is loaded or written; ``processes`` is the
+    run's planned world size (``distributed.planned_rank``)."""
     if not config.target.shard:
         return
     if config.mode != "online":
@@ -66,7 +51,6 @@ def check_shard_target(config: TrainConfig, launched_world_size: int) -> None:
             "target.shard and target.device_map: auto both split the target (one process spreading it over "
             "its GPUs vs ranks each holding a shard): keep one; for several ranks set target.device_map: null"
         )
-    processes = planned_processes(config.trainer, launched_world_size)
     if processes < 2:
         raise ValueError(
             f"target.shard needs 2 or more processes to shard the target over, and this run has {processes}: "
