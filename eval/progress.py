@@ -1,7 +1,7 @@
 """How an evaluation shows it is alive: a tqdm bar on a terminal; in a log file (a SLURM job's output,
 stderr not a terminal) a line now and then, as a bar redrawn with carriage returns is no use there.
 
-``eval  3/20 prompts  0:41  tok/s: target alone 31.2, run/draft 45.0 (τ 2.31)``: the first prompt's line
+``eval  D/N prompts  M:SS  tok/s: target alone X, run/draft Y (τ T)``: the first prompt's line
 comes at once (the run is alive and how fast it goes), then one every ``every_s`` seconds, and the last.
 """
 

@@ -174,6 +174,19 @@ def test_checkpoints_leave_out_the_frozen_target_weights_and_refuse_another_targ
     assert (out / "config.yaml").read_text() == recipe  # refused before the run's recipe was rewritten
 
 
+def test_a_fingerprint_reads_inside_a_tensor_of_any_size():
+    """28,311,552 elements (SmolLM2's 49,152 x 576 embedding): a float32 linspace put its last pick one past
+    the end."""
+    from draftsmith.train.checkpoint import fingerprint, same_fingerprint
+
+    embedding = torch.arange(49152 * 576, dtype=torch.bfloat16).view(49152, 576)
+    print_ = fingerprint(embedding)
+    assert print_["shape"] == [49152, 576] and len(print_["values"]) == 16
+    assert print_["values"][-1] == float(embedding[-1, -1])
+    assert same_fingerprint(print_, fingerprint(embedding.clone()))
+    assert fingerprint(torch.zeros(0))["values"] == []
+
+
 def safe_open_keys(directory: Path) -> set[str]:
     from safetensors import safe_open
 

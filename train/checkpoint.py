@@ -65,7 +65,8 @@ def fingerprint(tensor: torch.Tensor) -> dict:
     """Shape, sum and 16 values spread over ``tensor``: enough to tell one target's weights from another's
     without hashing gigabytes."""
     flat = tensor.detach().flatten()
-    picks = torch.linspace(0, max(flat.numel() - 1, 0), 16).long().to(flat.device)
+    # integer positions: a float linspace rounds n - 1 up to n past 2**24 elements (a 49,152 x 576 embedding)
+    picks = (torch.arange(16, dtype=torch.int64) * max(flat.numel() - 1, 0) // 15).to(flat.device)
     return {
         "shape": list(tensor.shape),
         "sum": float(flat.double().sum()),
