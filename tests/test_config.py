@@ -112,7 +112,10 @@ def test_bad_overrides_are_named(args, message):
         ("--optim.lr=0", r"optim.lr=0: Input should be greater than 0"),
         ("--optim.betas=[0.9, 1.0]", r"optim.betas\[1\]=1.0: Input should be less than 1"),
         ("--optim.betas=[-0.1, 0.9]", r"optim.betas\[0\]=-0.1: Input should be greater than or equal to 0"),
-        ("--optim.weight_decay=-0.01", r"optim.weight_decay=-0.01: Input should be greater than or equal to 0"),
+        (
+            "--optim.weight_decay=-0.01",
+            r"optim.weight_decay=-0.01: Input should be greater than or equal to 0",
+        ),
         ("--optim.warmup_steps=-5", r"optim.warmup_steps=-5: Input should be greater than or equal to 0"),
         ("--optim.min_lr_ratio=1.5", r"optim.min_lr_ratio=1.5: Input should be less than or equal to 1"),
         ("--optim.grad_clip=0", r"optim.grad_clip=0: Input should be greater than 0"),

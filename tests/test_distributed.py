@@ -119,7 +119,10 @@ def short_offline_run(tiny_target_dir, uniform_conversations, tmp_path_factory):
 
 
 def test_lightnings_launcher_caches_a_short_offline_run_that_every_rank_agrees_on(
-    short_offline_run, tiny_target_dir, uniform_conversations, tmp_path  # noqa: F811
+    short_offline_run,
+    tiny_target_dir,
+    uniform_conversations,
+    tmp_path,  # noqa: F811
 ):
     cache = short_offline_run / "cache" / "train"
     shards = {path.name: path.stat().st_mtime_ns for path in cache.glob("shard-*.safetensors")}
@@ -138,7 +141,10 @@ def test_lightnings_launcher_caches_a_short_offline_run_that_every_rank_agrees_o
 
 
 def test_a_short_offline_run_trains_the_same_under_torchrun(
-    short_offline_run, tiny_target_dir, uniform_conversations, tmp_path  # noqa: F811
+    short_offline_run,
+    tiny_target_dir,
+    uniform_conversations,
+    tmp_path,  # noqa: F811
 ):
     """Every rank alive from the start and capturing its own shards: the same rows, the same losses."""
     proc = run_ranks(tiny_target_dir, uniform_conversations, tmp_path / "run", *SHORT_OFFLINE,
@@ -233,7 +239,9 @@ def test_the_planned_world_is_the_same_before_and_after_lightning_starts_the_ran
     monkeypatch, devices, nodes, env, planned, capture
 ):
     launched_by(monkeypatch, env)
-    t = dataclasses.replace(TrainerConfig(), accelerator="cpu", strategy="ddp", devices=devices, num_nodes=nodes)
+    t = dataclasses.replace(
+        TrainerConfig(), accelerator="cpu", strategy="ddp", devices=devices, num_nodes=nodes
+    )
     assert planned_rank(t) == planned
     assert capture_rank(t) == capture
 

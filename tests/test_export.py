@@ -358,8 +358,12 @@ def test_an_earlier_export_is_replaced_only_with_overwrite_and_nothing_else_ever
     assert main([*argv, str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert main([*argv, str(out), "--overwrite"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == [".draftsmith-files", "config.json", "model.safetensors",
-                                                     "notes.txt"]  # the export replaced, the user's file kept
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".draftsmith-files",
+        "config.json",
+        "model.safetensors",
+        "notes.txt",
+    ]  # the export replaced, the user's file kept
     assert (out / "notes.txt").read_text() == "left by the first export"
     mine = tmp_path / "mine"
     (mine / "sub").mkdir(parents=True)

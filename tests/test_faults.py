@@ -120,7 +120,10 @@ def test_a_signal_while_the_target_loads_says_so_in_one_line_and_leaves_nothing(
     proc.send_signal(signal.SIGTERM)
     release.touch()
     line = stop_line(proc, signal.SIGTERM)
-    assert "no checkpoint had been saved yet" in line and "start again with the same command, without --resume" in line
+    assert (
+        "no checkpoint had been saved yet" in line
+        and "start again with the same command, without --resume" in line
+    )
     assert not out.exists()  # nothing had been written: the folder went with its lock
 
 
@@ -214,7 +217,9 @@ def test_a_full_disk_before_the_first_checkpoint_gives_the_rerun_that_works(
     last = proc.stderr.strip().splitlines()[-1]
     assert "No space left on device while writing into" in last, proc.stderr[-3000:]
     assert "no checkpoint had been saved yet, so a rerun starts over" in last
-    assert last.endswith(f"Free some space and start again with: draftsmith train {out / 'config.yaml'}"), last
+    assert last.endswith(f"Free some space and start again with: draftsmith train {out / 'config.yaml'}"), (
+        last
+    )
     assert last_checkpoint(out) is None and not list((out / "checkpoints").glob(".*tmp*"))
     filler.unlink()
     rerun = run_worker(tiny_target_dir, uniform_conversations, out, *RUN, timeout=600)  # the command, run

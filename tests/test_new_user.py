@@ -162,7 +162,9 @@ def test_a_resume_with_a_changed_recipe_is_refused_unless_safe_or_forced(
     assert "lr: 0.05" in (out / "config.yaml").read_text()
 
 
-def test_a_run_recorded_before_keys_were_added_resumes_after_an_upgrade(tiny_target_dir, conversations, tmp_path):  # noqa: F811
+def test_a_run_recorded_before_keys_were_added_resumes_after_an_upgrade(
+    tiny_target_dir, conversations, tmp_path
+):  # noqa: F811
     """A key this version added (its default taken) is no recipe change: the run's config.yaml, written by an
     older draftsmith, lacks it."""
     out = tmp_path / "run"

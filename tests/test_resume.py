@@ -144,7 +144,9 @@ def test_sampler_global_batches_are_the_same_on_any_world_size():
 
 
 def test_checkpoints_leave_out_the_frozen_target_weights_and_refuse_another_target(
-    tiny_target_dir, uniform_conversations, tmp_path  # noqa: F811
+    tiny_target_dir,
+    uniform_conversations,
+    tmp_path,  # noqa: F811
 ):
     from tiny import tiny_model, tiny_tokenizer
 
@@ -158,7 +160,9 @@ def test_checkpoints_leave_out_the_frozen_target_weights_and_refuse_another_targ
     frozen = saved["draftsmith_frozen"]
     assert frozen["target"] == str(tiny_target_dir)
     assert frozen["tensors"]["draft.embed_tokens.weight"]["shape"] == [259, 32]
-    assert "embed_tokens.weight" in safe_open_keys(out / "draft")  # the exported draft keeps it: engines read it
+    assert "embed_tokens.weight" in safe_open_keys(
+        out / "draft"
+    )  # the exported draft keeps it: engines read it
 
     resumed = train(make_config(tiny_target_dir, uniform_conversations, out, *eagle, "--trainer.max_steps=3"),
                     resume=True, **QUIET)  # fmt: skip
@@ -169,7 +173,9 @@ def test_checkpoints_leave_out_the_frozen_target_weights_and_refuse_another_targ
     tiny_tokenizer().save_pretrained(other)
     config = make_config(other, uniform_conversations, out, *eagle, "--trainer.max_steps=4")
     recipe = (out / "config.yaml").read_text()
-    with pytest.raises(ValueError, match=rf"trained for target '{tiny_target_dir}'.*--target.spec={tiny_target_dir}"):
+    with pytest.raises(
+        ValueError, match=rf"trained for target '{tiny_target_dir}'.*--target.spec={tiny_target_dir}"
+    ):
         train(config, resume=True, force_resume=True, **QUIET)
     assert (out / "config.yaml").read_text() == recipe  # refused before the run's recipe was rewritten
 
@@ -198,10 +204,17 @@ def safe_open_keys(directory: Path) -> set[str]:
 
 
 def test_keep_checkpoints_keeps_the_last_n_step_checkpoints_beside_last(
-    tiny_target_dir, uniform_conversations, tmp_path  # noqa: F811
+    tiny_target_dir,
+    uniform_conversations,
+    tmp_path,  # noqa: F811
 ):
     out = tmp_path / "run"
-    steps = ("--trainer.max_steps=5", "--trainer.ckpt_every=1", "--trainer.val_every=5", "--trainer.keep_checkpoints=2")
+    steps = (
+        "--trainer.max_steps=5",
+        "--trainer.ckpt_every=1",
+        "--trainer.val_every=5",
+        "--trainer.keep_checkpoints=2",
+    )
     train(make_config(tiny_target_dir, uniform_conversations, out, *steps), **QUIET)
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert kept == ["last.ckpt", "step-0000004.ckpt", "step-0000005.ckpt"]
@@ -215,13 +228,21 @@ def test_a_checkpoint_is_fsynced_before_its_rename_and_its_folder_after(monkeypa
 
     events = []
     fsync, replace = os.fsync, os.replace
-    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd))
-    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("rename", str(a), str(b))) or replace(a, b))
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd)
+    )
+    monkeypatch.setattr(
+        os, "replace", lambda a, b: events.append(("rename", str(a), str(b))) or replace(a, b)
+    )
     path = tmp_path / "checkpoints" / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}}, path)
     (_, tmp, dst) = next(e for e in events if e[0] == "rename")
     assert dst == str(path)
-    assert events.index(("fsync", tmp)) < events.index(("rename", tmp, dst)) < events.index(("fsync", str(path.parent)))
+    assert (
+        events.index(("fsync", tmp))
+        < events.index(("rename", tmp, dst))
+        < events.index(("fsync", str(path.parent)))
+    )
     assert torch.equal(torch.load(path, weights_only=True)["state_dict"]["w"], torch.ones(3))
 
 
@@ -238,7 +259,9 @@ def test_a_logger_that_is_not_installed_is_refused_before_anything_is_written(mo
     from draftsmith.cli import main
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a)
+    )
     recipe = tmp_path / "r.yaml"
     recipe.write_text("data: {paths: [builtin:gsm8k_train]}\n")
     out = tmp_path / "run"

@@ -304,8 +304,12 @@ def _train_locked(
         token_counts = count_tokens(train_ds, target.vocab_size)
     objective = build_objective(config.draft.kind, target, config.draft.options, token_counts)
     if resume and ckpt is not None and rank == 0:  # another target is refused before the recipe is rewritten
-        frozen = {f"draft.{n}": p for n, p in objective.build_draft().named_parameters() if not p.requires_grad}
-        if not any(p.is_meta for p in frozen.values()):  # a skeleton target: checked when the checkpoint loads
+        frozen = {
+            f"draft.{n}": p for n, p in objective.build_draft().named_parameters() if not p.requires_grad
+        }
+        if not any(
+            p.is_meta for p in frozen.values()
+        ):  # a skeleton target: checked when the checkpoint loads
             check_resume_target(ckpt, frozen, config.target.spec)
         del frozen
     if rank == 0:  # written once the recipe has built: a run that fails earlier leaves nothing behind
