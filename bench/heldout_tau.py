@@ -24,12 +24,17 @@ writes JSON.
         --draft runs/smollm2_eagle3_cpu/draft runs/smollm2_eagle3_cpu_ft/draft --out /tmp/heldout.json
     python bench/heldout_tau.py --recipe runs/smollm2_distill_cpu/config.yaml \\
         --draft runs/smollm2_distill_cpu/draft runs/smollm2_distill_cpu_undistilled
+
+Heads other pipelines wrote (SpecForge, ModelOpt, speculators) are read as ``draftsmith eval`` reads them
+(``drafts/eagle_import.py``), so one judge scores every pipeline's head on the same held-out rows
+(``bench/peer_training.py``'s sweep chooses each pipeline's setting by it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -87,13 +92,29 @@ def recipe_batches(heldout, target, objective, batch_size: int, pad_id: int):
         yield batch, compute_teacher(target, batch, objective.capture_layers, objective.teacher_topk)
 
 
-def objective_for(kind: str, options: dict, path: str, target):
-    """The objective of a saved draft of ``kind``, built to load it (``build_draft`` returns it)."""
+def objective_for(kind: str, options: dict, path: str, target, scratch: Path | None = None):
+    """The objective of a saved draft of ``kind``, built to load it (``build_draft`` returns it). An EAGLE-3
+    head another pipeline wrote (SpecForge, ModelOpt, speculators layouts) is read by
+    ``drafts/eagle_import.py``, as ``draftsmith eval`` reads it, and saved into ``scratch`` first."""
     if kind in (EAGLE1, EAGLE3):
-        return build_objective(kind, target, {"init_from": path})
+        return build_objective(kind, target, {"init_from": own_head(path, target, scratch)})
     if kind == DISTILL:
         return build_objective(kind, target, {**options, "init": "pretrained", "path": path})
     raise SystemExit(f"draft kind {kind!r}: this bench measures {EAGLE1}, {EAGLE3} and {DISTILL} drafts")
+
+
+def own_head(path: str, target, scratch: Path | None) -> str:
+    """``path`` when draftsmith saved it, else the peer's head imported for ``target`` and saved in ``scratch``."""
+    config = (
+        json.loads((Path(path) / "config.json").read_text()) if (Path(path) / "config.json").is_file() else {}
+    )
+    if "preset" in config or scratch is None:
+        return path  # draftsmith's own (or not a head at all: init_from says what is missing)
+    from draftsmith.drafts.eagle_import import import_head
+
+    folder = Path(scratch) / f"imported-{len(list(Path(scratch).iterdir()))}"
+    import_head(target, path).float().save_pretrained(folder)
+    return str(folder)
 
 
 def single_turn_conversations(cache: FeatureCache, count: int, min_answer: int = 32):
@@ -198,11 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         source, rows = args.cache, len(cache)
     pad_id = pad_id_of(target.tokenizer)
     results = {}
+    scratch = tempfile.TemporaryDirectory(prefix="heldout-tau-")
     for path in args.draft:
         if not args.recipe:
             kind = json.loads((Path(path) / "config.json").read_text()).get("preset", EAGLE3)
             options = {}
-        objective = objective_for(kind, options, path, target)
+        objective = objective_for(kind, options, path, target, Path(scratch.name))
         draft = objective.build_draft().eval()
         if args.recipe:
             batches = recipe_batches(heldout, target, objective, args.batch_size, pad_id)

@@ -12,11 +12,14 @@ schedule, batching). DFlash is trained by SpecForge, speculators and draftsmith 
            write those in each peer's input layout (the peers pad or pack conversations themselves;
            train/peer_inputs.py)
   capture  the stand-in for SGLang's / vLLM's hidden-state capture, which do not run here: the target
-           run by transformers over every conversation, written as SpecForge's ``.ckpt`` files and
+           run by transformers, in the dtype draftsmith's recipe runs it in (``target.dtype: auto``), over
+           every conversation, written as SpecForge's ``.ckpt`` files and
            speculators' ``hs_{i}.safetensors`` (timed apart: it is not part of either peer's training)
   train    each peer in its own venv (bench/peers/*.py, which say where they depart from the peer's
            own pipeline), then ``draftsmith train quickstart``, one at a time under the machine-wide
            bench lock; wall and CPU seconds, peak RSS, per-step timestamps, held-out metrics, the head
+  judge    (EAGLE-3) each head's τ on the quickstart's held-out rows by ``bench/heldout_tau.py``, right after
+           it trains: the one judge a sweep chooses each pipeline's setting by (never dev)
   eval     one ``draftsmith eval`` run per k (5, auto) over every head (peer heads are read by
            drafts/eagle_import.py), greedy, dev prompts in round-robin order
 
@@ -61,7 +64,8 @@ PEERS = ("modelopt", "specforge", "speculators")
 RUNS = (*PEERS, "draftsmith")
 LOCK = Path("/tmp/draftsmith-bench.lock")
 TARGET = "smollm2-135m-instruct"
-STAGES = ("data", "capture", "train", "eval", "llamacpp")
+STAGES = ("data", "capture", "train", "judge", "eval", "llamacpp")
+JUDGE_K = 5
 QUICKSTART_DATA = ("builtin:sharegpt_1000", "builtin:gsm8k_train", "builtin:gpteacher_codegen")
 
 
@@ -174,16 +178,19 @@ def stage_capture(work: Path) -> dict:
     """The stand-in capture: SpecForge's ``.ckpt`` files (train/, heldout/) and speculators' dataset."""
     import resource
 
-    import torch
     from transformers import AutoModelForCausalLM
 
     from draftsmith.drafts.eagle import default_eagle3_layers
+    from draftsmith.loading import resolve_dtype
     from draftsmith.train.peer_inputs import capture, write_peer_features
 
     with bench_lock() as waited:
         start, cpu0 = time.perf_counter(), _self_cpu()
         budget = json.loads((work / "data" / "budget.json").read_text())
-        model = AutoModelForCausalLM.from_pretrained(budget["target_path"], dtype=torch.float32).eval()
+        # the target in the dtype draftsmith's recipe runs it in (``target.dtype: auto``: bf16 where bf16
+        # matmuls are fast), so every pipeline trains on the features draftsmith's own teacher computes
+        dtype = resolve_dtype("auto", "cpu")
+        model = AutoModelForCausalLM.from_pretrained(budget["target_path"], dtype=dtype).eval()
         # the layers every run reads: EAGLE-3's 1, L/2-1, L-4, as draftsmith and all three peers default;
         # DFlash: draftsmith's default taps (the data stage's; the same layers on this target)
         draft = budget.get("draft", "eagle3")
@@ -197,6 +204,7 @@ def stage_capture(work: Path) -> dict:
         wall, cpu = time.perf_counter() - start, _self_cpu() - cpu0
     return {
         "layers": layers,
+        "dtype": str(dtype).removeprefix("torch."),
         "positions": positions,
         "wall_s": wall,
         "cpu_s": cpu,
@@ -309,11 +317,13 @@ def finished(record: dict | None) -> bool:
 
 
 def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None = None, save=None,
-                ablations: dict[str, list[str]] | None = None, rerun: bool = False) -> dict:  # fmt: skip
+                ablations: dict[str, list[str]] | None = None, rerun: bool = False,
+                judge: bool = False) -> dict:  # fmt: skip
     """Train ``runs`` (and the ``ablations``: run name → overrides, for any pipeline) one at a time into
     ``results``, calling ``save`` after each so a bench cut short keeps the runs that finished. A run whose
     record is already a finished training is kept, not trained again (so a sweep stopped half way goes on
-    where it stopped), unless ``rerun``."""
+    where it stopped), unless ``rerun``. With ``judge``, each finished run's head is judged on the held-out
+    rows right after it trains (``judge_heldout``), so its judgement is kept even if the head is not."""
     results = {} if results is None else results
     ablations = ablations or {}
     for run in [*runs, *ablations]:
@@ -338,11 +348,53 @@ def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None 
             json.loads(report.read_text()) if report.exists() else {"error": "no result.json; see the log"}
         )
         timed.update(throughput(timed, budget))
+        from draftsmith.eval.report import provenance
+
+        timed["provenance"] = provenance(seed=run_seed(ablations.get(run, [])))  # each run's own, in a sweep
         results[run] = timed
         print(f"peer_training: {run} rc={timed['returncode']} in {timed['wall_s']:.0f} s", file=sys.stderr)
         if save:
             save()
+        if judge and finished(timed):
+            timed["judge"] = judge_heldout(work, run, timed["head"])
+            if save:
+                save()
     return results
+
+
+def run_seed(overrides: list[str]) -> int:
+    """The seed a run trains with: a seed override in the pipeline's own words, else the quickstart's."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.split(".")[-1] == "seed":
+            return int(value)
+    return quickstart_seed()
+
+
+def judge_heldout(work: Path, run: str, head: str) -> dict:
+    """The one judge a sweep chooses by: ``bench/heldout_tau.py`` on the quickstart recipe's held-out rows
+    (never dev), the teacher computed by the float32 target, k = 5: τ along the greedy decoding walk and
+    its per-position acceptance, for any pipeline's head (peer layouts read as ``draftsmith eval`` reads
+    them). Each pipeline's own held-out metrics stay in its record beside it."""
+    out = work / "judge" / f"{run}.json"
+    cmd = [sys.executable, str(BENCH / "heldout_tau.py"), "--recipe", "quickstart", "--draft", str(head),
+           "--k", str(JUDGE_K), "--out", str(out)]  # fmt: skip
+    timed = run_timed(cmd, out.with_suffix(".log"))
+    if timed["returncode"] or not out.exists():
+        return {"error": f"heldout_tau.py exited {timed['returncode']}; see {timed['log']}", **timed}
+    walk = next(iter(json.loads(out.read_text())["drafts"].values()))
+    return {"k": JUDGE_K, "tau": walk["walk"]["tau"], "per_position": walk["walk"]["per_position"],
+            "steps": walk["walk"]["steps"], "tau_every_start": walk["every_start"]["tau"],
+            "command": cmd, "wall_s": timed["wall_s"]}  # fmt: skip
+
+
+def judge_missing(work: Path, results: dict, save=None) -> None:
+    """Judge every finished EAGLE-3 run whose record has no held-out judgement yet (runs kept from before)."""
+    for run, record in results.items():
+        if finished(record) and "tau" not in (record.get("judge") or {}):
+            record["judge"] = judge_heldout(work, run, record["head"])
+            if save:
+                save()
 
 
 def throughput(run: dict, budget: dict) -> dict:
@@ -477,12 +529,14 @@ def print_table(budget: dict, capture_rec: dict | None, results: dict) -> None:
     if capture_rec:
         print(f"stand-in capture (SpecForge + speculators inputs): {capture_rec['wall_s']:.0f} s wall, "
               f"{capture_rec['tokens_per_s']:.0f} tok/s")  # fmt: skip
-    head = f"{'run':<12} {'rc':>3} {'steps':>6} {'wall s':>8} {'CPU s':>8} {'tok/s':>7} {'tok/CPU-s':>9} "
-    head += f"{'steady tok/s':>12} {'steady tok/CPU-s':>16} {'peak MB':>8}  held-out"
+    head = f"{'run':<22} {'rc':>3} {'steps':>6} {'wall s':>8} {'CPU s':>8} {'tok/s':>7} {'tok/CPU-s':>9} "
+    head += (
+        f"{'steady tok/s':>12} {'steady tok/CPU-s':>16} {'peak MB':>8} {'judge τ':>7}  own held-out metrics"
+    )
     print(head)
     for run, r in results.items():
         if "skipped" in r:
-            print(f"{run:<12} skipped: {r['skipped']}")
+            print(f"{run:<22} skipped: {r['skipped']}")
             continue
 
         def num(key, row=r):
@@ -491,10 +545,12 @@ def print_table(budget: dict, capture_rec: dict | None, results: dict) -> None:
 
         held = r.get("heldout") or {}
         held_text = " ".join(f"{k}={_short(v)}" for k, v in held.items())
-        print(f"{run:<12} {r['returncode']:>3} {len(r.get('step_marks') or []):>6} {num('wall_s'):>8} "
+        judged = (r.get("judge") or {}).get("tau")
+        judged_text = "-" if judged is None else f"{judged:.3f}"
+        print(f"{run:<22} {r['returncode']:>3} {len(r.get('step_marks') or []):>6} {num('wall_s'):>8} "
               f"{num('cpu_s'):>8} {num('tokens_per_wall_s'):>7} {num('tokens_per_cpu_s'):>9} "
               f"{num('steady_tokens_per_wall_s'):>12} {num('steady_tokens_per_cpu_s'):>16} "
-              f"{num('peak_rss_mb'):>8}  {held_text}")  # fmt: skip
+              f"{num('peak_rss_mb'):>8} {judged_text:>7}  {held_text}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -556,7 +612,12 @@ def main(argv: list[str] | None = None) -> int:
         ablations = dict(parse_ablation(a) for a in args.ablation) | dict(
             parse_setting(s) for s in args.setting
         )
-        stage_train(work, args.runs, budget, record.setdefault("train", {}), save, ablations, args.rerun)
+        judge = "judge" in args.stages and budget.get("draft", "eagle3") == "eagle3"
+        stage_train(
+            work, args.runs, budget, record.setdefault("train", {}), save, ablations, args.rerun, judge
+        )
+    if "judge" in args.stages and budget.get("draft", "eagle3") == "eagle3":
+        judge_missing(work, record.get("train", {}), save)
     for run in record.get("train", {}).values():  # rates from the marks, also for runs kept from before
         if "wall_s" in run:
             run.update(throughput(run, budget))

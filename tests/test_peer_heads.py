@@ -418,7 +418,9 @@ def test_gguf_of_an_imported_head_is_the_gguf_of_the_head(tiny, tmp_path):
         assert (t.data == tensors[t.name]).all(), t.name
 
 
-@pytest.mark.skipif(not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})")
+@pytest.mark.skipif(
+    not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})"
+)
 def test_llamacpp_decodes_with_an_imported_heads_gguf_as_the_target_would(tiny, tmp_path):
     _, gguf_file = imported_head_gguf(tiny, tmp_path)
     run_in_llamacpp(tiny["target"], tiny["gguf"], gguf_file)
@@ -532,10 +534,29 @@ def test_specforges_head_exports_to_gguf(peer_head, tiny, tmp_path):
     specforge_gguf(peer_head, tiny, tmp_path)
 
 
-@pytest.mark.skipif(not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})")
+@pytest.mark.skipif(
+    not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})"
+)
 def test_specforges_head_decodes_in_llamacpp_as_the_target_would(peer_head, tiny, tmp_path):
     run_in_llamacpp(tiny["target"], tiny["gguf"], specforge_gguf(peer_head, tiny, tmp_path))
 
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_the_heldout_judge_scores_a_peer_head_as_the_head_it_came_from(tiny, tmp_path):
+    """``bench/heldout_tau.py`` (the sweep's one judge) builds the objective of a speculators-layout head (its
+    norm options on) with the head itself inside, and passes draftsmith's own heads through untouched."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import heldout_tau
+
+    target = tiny["target"]
+    options = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
+    head = draftsmith_head(target, capture=[1, 3, 5], **options)
+    folder = speculators_layout(head, tmp_path / "spec")
+    (tmp_path / "scratch").mkdir()
+    objective = heldout_tau.objective_for("eagle3", {}, str(folder), target, tmp_path / "scratch")
+    assert_same_head(objective.build_draft().eval(), head, target)
+    head.save_pretrained(tmp_path / "own")
+    assert heldout_tau.own_head(str(tmp_path / "own"), target, tmp_path / "scratch") == str(tmp_path / "own")

@@ -294,6 +294,43 @@ def test_a_sweep_keeps_its_finished_runs_and_trains_the_rest(tmp_path, monkeypat
     assert trained[-1] == "draftsmith-a"
 
 
+def test_each_run_of_a_sweep_is_judged_on_the_heldout_rows_once_right_after_it_trains(tmp_path, monkeypatch):
+    """The sweep's judge (bench/heldout_tau.py on the quickstart's held-out rows, k 5) runs after each run that
+    finished, its τ kept in the run's record; a kept run without a judgement is judged once, a failed one not."""
+    calls = []
+    head = tmp_path / "head"
+    head.mkdir()
+
+    def fake_run(cmd, log, env=None):
+        calls.append(cmd)
+        if Path(cmd[1]).name == "heldout_tau.py":
+            assert cmd[cmd.index("--recipe") + 1] == "quickstart" and cmd[cmd.index("--k") + 1] == "5"
+            walk = {"tau": 1.5, "per_position": [0.4], "steps": 9}
+            report = {"drafts": {cmd[cmd.index("--draft") + 1]: {"walk": walk, "every_start": {"tau": 1.7}}}}
+            Path(cmd[cmd.index("--out") + 1]).parent.mkdir(parents=True, exist_ok=True)
+            Path(cmd[cmd.index("--out") + 1]).write_text(json.dumps(report))
+            return {"returncode": 0, "wall_s": 1.0, "log": str(log)}
+        run = Path(cmd[cmd.index("--out") + 1]).name
+        return {
+            "returncode": 0 if run != "draftsmith-bad" else 1,
+            "wall_s": 1.0,
+            "cpu_s": 1.0,
+            "head": str(head),
+        }
+
+    monkeypatch.setattr(peer_training, "run_timed", fake_run)
+    budget = {"train": {"positions": 100, "loss_tokens": 50}}
+    results = {"draftsmith-kept": {"returncode": 0, "head": str(head)}}
+    runs = {"draftsmith-new": ["optim.lr=1e-4"], "draftsmith-bad": ["optim.lr=1e-4"]}
+    peer_training.stage_train(tmp_path, [], budget, results, ablations=runs, judge=True)
+    assert results["draftsmith-new"]["judge"]["tau"] == 1.5
+    assert "judge" not in results["draftsmith-bad"] and "judge" not in results["draftsmith-kept"]
+    peer_training.judge_missing(tmp_path, results)
+    peer_training.judge_missing(tmp_path, results)
+    judged = [Path(c[c.index("--out") + 1]).stem for c in calls if Path(c[1]).name == "heldout_tau.py"]
+    assert judged == ["draftsmith-new", "draftsmith-kept"]
+
+
 def test_each_peer_takes_its_own_settings_and_refuses_a_misspelt_one():
     """The words --setting passes reach each peer's own config, and a key the peer does not have stops the run
     (ModelOpt's load_recipe would take one silently: its driver checks)."""
@@ -386,3 +423,9 @@ def test_the_stand_in_capture_is_what_draftsmith_trains_on():
     torch.testing.assert_close(normed, target.model.model.norm(last), rtol=0, atol=0)
     logits = target.model.lm_head(normed).float()  # what the peers score their targets with
     torch.testing.assert_close(logits.topk(4).values, teacher.topk_logits[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_runs_seed_is_its_own_seed_override_in_any_pipelines_words():
+    assert peer_training.run_seed(["training.seed=2", "training.learning_rate=1e-3"]) == 2
+    assert peer_training.run_seed(["seed=1"]) == 1 and peer_training.run_seed(["trainer.seed=3"]) == 3
+    assert peer_training.run_seed(["optim.lr=1e-4"]) == peer_training.quickstart_seed()
