@@ -350,7 +350,10 @@ def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None 
         timed.update(throughput(timed, budget))
         from draftsmith.eval.report import provenance
 
-        timed["provenance"] = provenance(seed=run_seed(ablations.get(run, [])))  # each run's own, in a sweep
+        timed["overrides"] = list(ablations.get(run, []))
+        timed["provenance"] = provenance(
+            seed=run_seed(timed["overrides"], pipeline)
+        )  # each run's own, in a sweep
         results[run] = timed
         print(f"peer_training: {run} rc={timed['returncode']} in {timed['wall_s']:.0f} s", file=sys.stderr)
         if save:
@@ -362,13 +365,25 @@ def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None 
     return results
 
 
-def run_seed(overrides: list[str]) -> int:
-    """The seed a run trains with: a seed override in the pipeline's own words, else the quickstart's."""
+SEED_KEYS = {
+    "draftsmith": "trainer.seed",
+    "specforge": "training.seed",
+    "speculators": "seed",
+    "modelopt": "seed",
+}
+"""How each pipeline is given a seed (its own words; ModelOpt's recipe has none: its driver takes ``seed``)."""
+DEFAULT_SEEDS = {"specforge": 42, "speculators": 42, "modelopt": 0}
+"""The seed each peer trains with when none is given (SpecForge's and speculators' config default; the ModelOpt
+example's ``torch.manual_seed(0)``); draftsmith's is the quickstart recipe's."""
+
+
+def run_seed(overrides: list[str], pipeline: str = "draftsmith") -> int:
+    """The seed a run trains with: a seed override in the pipeline's own words, else the pipeline's default."""
     for item in overrides:
         key, _, value = item.partition("=")
         if key.split(".")[-1] == "seed":
             return int(value)
-    return quickstart_seed()
+    return DEFAULT_SEEDS[pipeline] if pipeline in DEFAULT_SEEDS else quickstart_seed()
 
 
 def judge_heldout(work: Path, run: str, head: str) -> dict:

@@ -375,6 +375,47 @@ except SystemExit as e:
     assert "refused --override training.learning_rat" in run_in_peer("modelopt", modelopt)
 
 
+def test_each_peer_takes_a_seed_in_its_own_words():
+    """The seed key bench/peer_training.py gives each pipeline reaches the peer's config (ModelOpt's recipe has
+    none: its driver takes ``seed`` for the draft's initialisation and the Trainer's data order)."""
+    assert set(peer_training.SEED_KEYS) == set(peer_training.RUNS)
+    specforge = """
+from driver import set_dotted
+from specforge.config.schema import Config
+run = {"model": {"target_model_path": "t"}, "data": {"hidden_states_path": "h"}, "training": {}, "output_dir": "o"}
+print(Config.model_validate(run).training.seed)
+set_dotted(run, "training.seed", "2")
+print(Config.model_validate(run).training.seed)
+"""
+    assert run_in_peer("specforge", specforge).split()[-2:] == [
+        str(peer_training.DEFAULT_SEEDS["specforge"]),
+        "2",
+    ]
+    speculators = """
+import sys
+from speculators.train.config import TrainConfig
+sys.argv = ["x", "--verifier-name-or-path", "t", "--data-path", "d"]
+print(TrainConfig.resolve().flatten()["seed"])
+sys.argv += ["--seed", "2"]
+print(TrainConfig.resolve().flatten()["seed"])
+"""
+    assert run_in_peer("speculators", speculators).split()[-2:] == [
+        str(peer_training.DEFAULT_SEEDS["speculators"]),
+        "2",
+    ]
+    modelopt = """
+from pathlib import Path
+import modelopt_recipes, modelopt_run
+from modelopt.recipe import load_recipe
+base = load_recipe(str(Path(modelopt_recipes.__file__).parent / "general" / "speculative_decoding" / "eagle3.yaml"))
+seed, rest = modelopt_run.split_seed([("seed", "2"), ("training.learning_rate", "5e-4")])
+assert rest == [("training.learning_rate", "5e-4")]
+training = {**base.training.model_dump(), "use_cpu": True, "tf32": False, "output_dir": "o"}  # as the driver runs it
+print(modelopt_run.training_arguments(training, None).seed, modelopt_run.training_arguments(training, seed).seed)
+"""
+    assert run_in_peer("modelopt", modelopt).split()[-2:] == ["42", "2"]
+
+
 def test_specforge_reads_its_dflash_layout(tmp_path):
     """--draft dflash: SpecForge's DFlash record (the tapped states as ``hidden_states``), read by its own reader and
     normalizer; the bench passes the draft kind to every driver."""
@@ -429,3 +470,6 @@ def test_a_runs_seed_is_its_own_seed_override_in_any_pipelines_words():
     assert peer_training.run_seed(["training.seed=2", "training.learning_rate=1e-3"]) == 2
     assert peer_training.run_seed(["seed=1"]) == 1 and peer_training.run_seed(["trainer.seed=3"]) == 3
     assert peer_training.run_seed(["optim.lr=1e-4"]) == peer_training.quickstart_seed()
+    assert (
+        peer_training.run_seed([], "specforge") == 42 and peer_training.run_seed(["seed=2"], "modelopt") == 2
+    )

@@ -118,6 +118,18 @@ def check_keys(recipe: dict, keys: list[str]) -> None:
             node = node[part]
 
 
+def split_seed(overrides: list[tuple[str, str]]) -> tuple[int | None, list[tuple[str, str]]]:
+    """(``seed=N``'s N or None, the other overrides). The recipe has no seed key: N seeds the draft's
+    initialisation (where the example seeds 0) and the Trainer's data order (``TrainingArguments.seed``, 42)."""
+    seeds = [int(v) for k, v in overrides if k == "seed"]
+    return (seeds[-1] if seeds else None), [(k, v) for k, v in overrides if k != "seed"]
+
+
+def training_arguments(training: dict, seed: int | None) -> HfTrainingArguments:
+    """The recipe's training section as transformers' arguments, with the run's seed when one was given."""
+    return HfTrainingArguments(**training, **({} if seed is None else {"seed": seed}))
+
+
 def main() -> int:
     args, budget = driver_args()
     train = Conversations(args.work / "data" / "train.jsonl")
@@ -134,7 +146,8 @@ def main() -> int:
     from modelopt.torch.speculative.utils import load_vlm_or_llm
 
     mto.enable_huggingface_checkpointing()
-    torch.manual_seed(0)  # as the example seeds
+    seed, args.override = split_seed(args.override)
+    torch.manual_seed(0 if seed is None else seed)  # the example seeds 0
     target = Path(budget["target_path"])
     shape = json.loads((target / "config.json").read_text())
     recipe_file = Path(modelopt_recipes.__file__).parent / "general" / "speculative_decoding" / "eagle3.yaml"
@@ -154,7 +167,7 @@ def main() -> int:
                  *(f"{k}={v}" for k, v in args.override)]  # ModelOpt's own recipe keys, last wins  # fmt: skip
     check_keys(load_recipe(str(recipe_file)).model_dump(), [k for k, _ in args.override])
     recipe = load_recipe(str(recipe_file), overrides=overrides)
-    training_args = HfTrainingArguments(**recipe.training.model_dump())
+    training_args = training_arguments(recipe.training.model_dump(), seed)
     model = load_vlm_or_llm(str(target), dtype="auto", device_map="cpu")
     mtsp.convert(model, [("eagle", recipe.eagle.model_dump())])
     mtsp.plugins.HFEagleModel.load_draft_vocab_cache(model, recipe.data.draft_vocab_cache)
