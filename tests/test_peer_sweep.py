@@ -1,0 +1,60 @@
+"""bench/peer_sweep.py's pure parts: which setting each pipeline keeps, its seed replicates, the spread over seeds."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import peer_sweep  # noqa: E402
+
+
+def run(tau=None, overrides=()):
+    return {
+        "returncode": 0,
+        "overrides": list(overrides),
+        **({"judge": {"tau": tau}} if tau is not None else {}),
+    }
+
+
+TRAIN = {
+    "specforge": run(1.30),
+    "specforge-lr5e4": run(1.45, ["training.learning_rate=5e-4"]),
+    "specforge-lr5e4-seed1": run(1.90, ["training.learning_rate=5e-4", "training.seed=1"]),  # not a candidate
+    "draftsmith": run(1.60),
+    "draftsmith-lr5e4": run(1.50, ["optim.lr=5e-4"]),
+    "modelopt": run(None),  # not judged (yet): not a candidate
+}
+
+
+def test_each_pipeline_keeps_its_best_heldout_setting_unless_one_is_named():
+    assert peer_sweep.choose(TRAIN) == {"specforge": "specforge-lr5e4", "draftsmith": "draftsmith"}
+    named = peer_sweep.choose(TRAIN, ["draftsmith-lr5e4"])
+    assert named == {"draftsmith": "draftsmith-lr5e4", "specforge": "specforge-lr5e4"}
+
+
+def test_the_replicates_are_the_chosen_setting_at_other_seeds_in_each_pipelines_words():
+    runs = peer_sweep.seed_runs(TRAIN, {"specforge": "specforge-lr5e4", "draftsmith": "draftsmith"})
+    assert runs["specforge-lr5e4-seed2"] == ["training.learning_rate=5e-4", "training.seed=2"]
+    assert runs["draftsmith-seed1"] == ["trainer.seed=1"] and runs["draftsmith"] == []
+    assert len(runs) == 6
+
+
+def test_the_summary_is_mean_and_spread_over_the_seeds_of_what_each_judge_gave():
+    members = peer_sweep.groups({"draftsmith": "draftsmith"})
+    assert members == {"draftsmith": ["draftsmith", "draftsmith-seed1", "draftsmith-seed2"]}
+    train = {r: run(t) for r, t in zip(members["draftsmith"], (1.5, 1.6, 1.7))}
+    ours = {f"eagle3:{r}": {"tau": t, "speedup": 0.8, "exact_match": True}
+            for r, t in zip(members["draftsmith"], (1.2, 1.3, 1.4))}  # fmt: skip
+    judged = {
+        "engines": {"draftsmith": ours, "vllm": {}},
+        "llamacpp": {"rows": {"q4_1:draftsmith": {"tau": 2.0}}},
+    }
+    row = peer_sweep.summarise(train, members, judged)["draftsmith"]
+    assert row["heldout_tau"]["mean"] == pytest.approx(1.6) and row["heldout_tau"]["sd"] == pytest.approx(0.1)
+    assert row["dev_tau"]["mean"] == pytest.approx(1.3) and row["dev_speedup"]["sd"] == pytest.approx(0.0)
+    assert row["vllm_tau"] is None  # vLLM did not judge: no figure, not a zero
+    assert row["llamacpp_tau_q4_1"] == {"mean": 2.0, "sd": None, "n": 1, "values": [2.0]}
+    assert row["exact_match"] == [True, True, True]
