@@ -94,7 +94,7 @@ def _rows_hash(rows: Sequence[dict]) -> str:
     return h.hexdigest()[:16]
 
 
-def _shard_path(directory: Path, index: int) -> Path:
+def shard_path(directory: Path, index: int) -> Path:
     return directory / f"shard-{index:05d}.safetensors"
 
 
@@ -179,7 +179,7 @@ def build_feature_cache(
             range(shard * examples_per_shard, min(len(dataset), (shard + 1) * examples_per_shard))
         )
         hashes[shard] = _rows_hash(rows)
-        if shard % world_size == rank and _shard_hash(_shard_path(directory, shard)) != hashes[shard]:
+        if shard % world_size == rank and _shard_hash(shard_path(directory, shard)) != hashes[shard]:
             todo.append((shard, rows, hashes[shard]))
     mine = len(range(rank, num_shards, world_size))
     if len(todo) < mine:
@@ -193,7 +193,7 @@ def build_feature_cache(
             _write_shard(
                 target,
                 rows,
-                _shard_path(directory, shard),
+                shard_path(directory, shard),
                 layers,
                 topk,
                 batch_size,
@@ -204,9 +204,9 @@ def build_feature_cache(
             )
     if world_size > 1:
         missing = lambda: [  # noqa: E731
-            _shard_path(directory, s).name
+            shard_path(directory, s).name
             for s, h in hashes.items()
-            if _shard_hash(_shard_path(directory, s)) != h
+            if _shard_hash(shard_path(directory, s)) != h
         ]
         _wait_for(
             lambda: not missing(), wait_timeout, f"the shards of the other ranks in {directory}", missing
@@ -278,7 +278,7 @@ def feature_cache_complete(
         rows = dataset.select(
             range(shard * examples_per_shard, min(len(dataset), (shard + 1) * examples_per_shard))
         )
-        if _shard_hash(_shard_path(directory, shard)) != _rows_hash(rows):
+        if _shard_hash(shard_path(directory, shard)) != _rows_hash(rows):
             return False
     return True
 
@@ -410,12 +410,12 @@ class FeatureCache(torch.utils.data.Dataset):
         n = int(self.manifest["num_examples"])
         self._offsets: list[torch.Tensor] = []
         for shard in range((n + per_shard - 1) // per_shard):
-            shard_path = _shard_path(self.directory, shard)
-            if not shard_path.exists():
+            path = shard_path(self.directory, shard)
+            if not path.exists():
                 raise FileNotFoundError(
-                    f"feature cache {self.directory} is incomplete: {shard_path.name} is missing; rebuild it"
+                    f"feature cache {self.directory} is incomplete: {path.name} is missing; rebuild it"
                 )
-            with safe_open(str(shard_path), "pt") as f:
+            with safe_open(str(path), "pt") as f:
                 self._offsets.append(f.get_tensor("offsets"))
         self._per_shard = per_shard
         self._len = n
@@ -441,7 +441,7 @@ class FeatureCache(torch.utils.data.Dataset):
             raise IndexError(index)
         shard, local = divmod(index, self._per_shard)
         if shard not in self._handles:
-            self._handles[shard] = safe_open(str(_shard_path(self.directory, shard)), "pt")
+            self._handles[shard] = safe_open(str(shard_path(self.directory, shard)), "pt")
         f = self._handles[shard]
         lo, hi = int(self._offsets[shard][local]), int(self._offsets[shard][local + 1])
         ids = None
