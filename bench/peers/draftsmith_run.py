@@ -19,7 +19,8 @@ target's final norm and LM head in every step), one pass over its rows (whole ba
 the end. ``train`` would check the cache's rows against the recipe's own dataset and capture its own, so
 the run is put together from the loop's parts instead (``make_loaders``, ``DraftModule``,
 ``make_trainer``: the same training step); the target is the skeleton an offline run with a complete
-cache loads (embedding, final norm, LM head). Every batch's real tokens and positions are counted.
+cache loads (embedding, final norm, LM head), from the folder the capture ran (``target_path``).
+Every batch's real tokens and positions are counted.
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ def main() -> int:
         from draftsmith.train.feature_cache import FeatureCache
 
         steps = len(FeatureCache(args.offline / "train")) // config.trainer.batch_size  # whole batches
-        overrides = [*ablation, "--mode=offline", "--cache.teacher=final_state", f"--cache.dir={args.offline}",
+        # the target folder the capture ran (its final norm and LM head), not the recipe's own conversion of it
+        overrides = [*ablation, f"--target.spec={budget['target_path']}", "--mode=offline",
+                     "--cache.teacher=final_state", f"--cache.dir={args.offline}",
                      f"--trainer.max_steps={steps}", "--trainer.max_time=null", f"--trainer.val_every={steps}",
                      f"--trainer.ckpt_every={steps}", f"--output.dir={args.out / 'run'}"]  # fmt: skip
         config = load_config(base, overrides)
