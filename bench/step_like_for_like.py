@@ -36,18 +36,24 @@ lock, on the same conversations of one capture, each step doing the same work. T
   evaluation are not steps.
 
 ``--online`` adds a second, separately labelled table: ModelOpt online against draftsmith online (the
-whole target run in every step by both), on the same conversations (draftsmith's the packed rows they
-came from), ModelOpt padding rows to 512 as above.
+whole target run in every step by both), ModelOpt on the same conversations padded to 512 as above,
+draftsmith on the first rows of its own packed data (the rows these conversations were split from, as
+many steps as the packed subset makes).
 
-What a run costs on the 2-core CPU it was written on, at the defaults (160 conversations, ~17 steps of
-~2,048 tokens each): about 1-5 min a pipeline (a smoke run beside another job's training measured, per
-step: draftsmith 6 s, speculators 8, ModelOpt 14, SpecForge 21; online draftsmith 11, ModelOpt 21),
-about 15 min for both groups.
+Checked on the real target: ModelOpt's offline steps on the written ``.pt`` files give the losses of its
+online steps on the same batches (24.89, 24.67, 24.76 in the smoke run), and draftsmith's head in the step
+(``train/teacher.head_logits``) on the target's own last layer gives its forward's logits exactly.
+
+What a run costs on the 2-core CPU it was written on, at the defaults (160 conversations, 37,076
+positions, ~18 steps of ~2,048 tokens): a smoke run at nice 19 beside another job's training took per
+step draftsmith 6 s, speculators 8, ModelOpt 14, SpecForge 21 (online: draftsmith 11, ModelOpt 21) and
+25-100 s to start each pipeline, so about 30 min for both groups there; with the CPU to itself, expect
+roughly half (offline group ~10 min, ``--online`` ~8 min more).
 
     python bench/step_like_for_like.py --capture runs/sweep_400k --work runs/like4like \\
         --out bench/results/step_like_for_like.json
     python bench/step_like_for_like.py --capture runs/sweep_400k --work runs/like4like_smoke \\
-        --conversations 40 --online --out runs/like4like_smoke.json        # a smoke run: a few steps each
+        --conversations 40 --online --lock /tmp/smoke.lock --out runs/like4like_smoke.json  # smoke: no figure
 """
 
 from __future__ import annotations
