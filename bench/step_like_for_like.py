@@ -248,7 +248,7 @@ def write_draftsmith_cache(speculators: Path, train: list[dict], heldout: list[d
             }  # fmt: skip
             save_file(tensors, str(shard_path(folder, shard)), metadata={"num_examples": str(len(members))})
         manifest = {"format_version": FORMAT_VERSION, "target": {"path": budget["target_path"]},
-                    "target_dtype": "bfloat16", "feature_dtype": "bfloat16", "layers": sorted(names), "topk": 64,
+                    "target_dtype": "bfloat16", "feature_dtype": "bfloat16", "layers": sorted(set(names)), "topk": 64,
                     "full_logits": False, "teacher": "final_state", "final_layer": final,
                     "examples_per_shard": examples_per_shard, "num_examples": len(rows),
                     "written_from": str(speculators)}  # fmt: skip

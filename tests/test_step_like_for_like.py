@@ -158,3 +158,54 @@ def test_the_subset_refuses_a_work_folder_it_did_not_write(tmp_path):
     assert (
         json.loads((tmp_path / "fresh" / "data" / "budget.json").read_text())["train"]["conversations"] == 2
     )
+
+
+def test_draftsmith_trains_offline_on_the_written_cache_with_the_head_in_the_step(tmp_path):
+    """bench/peers/draftsmith_run.py --offline on a subset written from a tiny target's capture: one pass over
+    the packed rows in whole batches, each step's tokens counted, validated at the end."""
+    import subprocess
+    import sys
+
+    from tiny import tiny_model, tiny_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.drafts.eagle import default_eagle3_layers
+
+    target = tmp_path / "target"
+    tiny_model("llama", layers=8).save_pretrained(target)
+    tiny_tokenizer().save_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+    layers = default_eagle3_layers(8)
+    g = torch.Generator().manual_seed(0)
+    convs = [{"input_ids": torch.randint(3, 250, (n,), generator=g).tolist(), "loss_mask": [0] * 4 + [1] * (n - 4)}
+             for n in (20, 11, 30, 14, 25, 9, 17, 12)]  # fmt: skip
+    train, heldout = convs[:6], convs[6:]
+    capture = tmp_path / "capture"
+    (capture / "data").mkdir(parents=True)
+    bench.peer_training.write_jsonl(capture / "data" / "train.jsonl", train)
+    bench.peer_training.write_jsonl(capture / "data" / "heldout.jsonl", heldout)
+    counts = {}
+    for c in train:
+        for t, m in zip(c["input_ids"], c["loss_mask"]):
+            counts[t] = counts.get(t, 0) + m
+    (capture / "data" / "vocab_counts.json").write_text(json.dumps({"all": counts, "assistant": counts}))
+    budget = {"target_path": str(target), "max_length": 48, "batch_size": 2, "capture_layers": layers,
+              "draftsmith_steps": 2, "train": {}, "heldout": {}}  # fmt: skip
+    (capture / "data" / "budget.json").write_text(json.dumps(budget))
+    peer_inputs.write_peer_features(train, heldout, lambda ids: peer_inputs.capture(model, ids, layers),
+                                    capture / "specforge", capture / "speculators", counts)  # fmt: skip
+    work = tmp_path / "work"
+    bench.subset_work(capture, work, conversations=6, heldout=2)
+    rows = len(FeatureCache(work / "draftsmith_cache" / "train"))  # 20+11 | 30+14 | 25+9: 3 rows
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "peers" / "draftsmith_run.py"), "--work", str(work), "--out", str(out),
+         "--offline", str(work / "draftsmith_cache"), "--override", "trainer.batch_size=1",
+         "--override", "draft.options={num_layers: 1, draft_vocab_size: 64, ttt_steps: 2}"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert rows == 3 and result["steps"] == 3 and len(result["step_marks"]) == 3
+    assert sorted(result["step_tokens"]) == [31, 34, 44]  # every row once, in the sampler's order
+    assert 1.0 <= result["heldout"]["tau"] and "--cache.teacher=final_state" in result["overrides"]
