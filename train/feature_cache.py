@@ -95,6 +95,7 @@ def _rows_hash(rows: Sequence[dict]) -> str:
 
 
 def shard_path(directory: Path, index: int) -> Path:
+    """Where shard ``index`` of a cache lives (also for a cache written outside ``build_feature_cache``)."""
     return directory / f"shard-{index:05d}.safetensors"
 
 

@@ -125,7 +125,7 @@ class CacheConfig:
     float32 scale per token and layer (about half of bfloat16's bytes, ~2 significant digits)."""
     teacher: Literal["logits", "final_state"] = "logits"
     """What the cache keeps for the loss's teacher: logits = the target's top-k logits, computed once;
-    final_state = the last layer's output (H values a token instead of 6 bytes per logit), the target's
+    final_state = the last layer's output (one more layer of features a token, no logits), the target's
     final norm and LM head applied to it in every step (as SpecForge's and speculators' offline steps do:
     more work a step, the same teacher to bf16 rounding)."""
 
