@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from test_loop import QUIET, Probe, conversations, make_config, tiny_target_dir  # noqa: F401 (fixtures)
@@ -207,3 +208,56 @@ def test_packed_rows_keep_their_conversation_boundaries(target, conversations, t
     online = compute_teacher(target, online_batch, LAYERS, TOPK)
     real = batch.attention_mask.bool()
     torch.testing.assert_close(teacher.features[1][real], online.features[1][real], rtol=2**-7, atol=1e-5)
+
+
+def test_a_final_state_cache_gives_the_logits_caches_teacher_in_the_step(target, rows, tmp_path):
+    """cache.teacher final_state stores the last layer's output and no logits; the step's final norm + LM
+    head over it give the top-k the logits cache stores (to bf16 rounding: both read bf16 values)."""
+    from safetensors import safe_open
+
+    from draftsmith.train.teacher import final_layer, teacher_from_final_state
+
+    logits = build_feature_cache(target, rows, tmp_path / "logits", LAYERS, TOPK, examples_per_shard=8)
+    state = build_feature_cache(
+        target, rows, tmp_path / "state", LAYERS[:1], TOPK, examples_per_shard=8, teacher="final_state"
+    )
+    with safe_open(str(state / "shard-00000.safetensors"), "pt") as f:
+        assert f.get_slice("topk_logits").get_shape()[-1] == 0
+        assert f"features.{final_layer(target)}" in f.keys()
+    picks = [0, 5, 10]
+    batch, want = collate_cached([FeatureCache(logits)[i] for i in picks], pad_id=0, dtype=target.dtype)
+    same, cached = collate_cached([FeatureCache(state)[i] for i in picks], pad_id=0, dtype=target.dtype)
+    assert torch.equal(batch.input_ids, same.input_ids) and cached.topk_logits is None
+    got = teacher_from_final_state(target, cached, LAYERS[:1], TOPK)
+    real = batch.attention_mask.bool()
+    assert list(got.features) == [LAYERS[0]]  # the last layer only fed the head
+    torch.testing.assert_close(got.features[0], want.features[0])
+    assert (got.topk_ids[real] == want.topk_ids[real]).float().mean() > 0.95  # near-ties may swap
+    torch.testing.assert_close(got.topk_logits[real].max(-1).values, want.topk_logits[real].max(-1).values,
+                               rtol=2**-6, atol=2e-3)  # fmt: skip
+    with pytest.raises(ValueError, match="teacher"):  # a cache of the other kind is refused, not mixed
+        build_feature_cache(target, rows, logits, LAYERS, TOPK, examples_per_shard=8, teacher="final_state")
+
+
+class _Losses(L.Callback):
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_offline_eagle3_trains_alike_from_a_final_state_cache(tiny_target_dir, conversations, tmp_path):  # noqa: F811
+    """The same offline EAGLE-3 run from a logits cache and from a final_state cache (the teacher computed in
+    each step): the same losses to bf16 tolerance."""
+    runs = {}
+    for teacher in ("logits", "final_state"):
+        config = make_config(
+            tiny_target_dir, conversations, tmp_path / teacher, "--mode=offline", "--draft.kind=eagle3",
+            "--draft.options={draft_vocab_size: 64, ttt_steps: 2}", "--optim.lr=1e-3", "--trainer.max_steps=3",
+            "--trainer.val_k=2", f"--cache.teacher={teacher}",
+        )  # fmt: skip
+        runs[teacher] = _Losses()
+        train(config, callbacks=[runs[teacher]], **QUIET)
+    assert len(runs["final_state"].losses) == 3
+    torch.testing.assert_close(runs["final_state"].losses, runs["logits"].losses, rtol=2e-2, atol=1e-3)

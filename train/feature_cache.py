@@ -9,6 +9,9 @@ Each shard stores ``input_ids`` (int32), ``loss_mask`` (uint8), ``features.<laye
 target's dtype if 16-bit, else bfloat16; or float8 e4m3 with a float32 ``features_scale.<layer>`` [N]
 per token), ``topk_logits`` [N, K] (bfloat16) and ``topk_ids`` [N, K] (int32; not stored when K
 covers the whole vocabulary: the ids are then 0..V-1), with a hash of its rows in the metadata.
+A ``final_state`` cache (``cache.teacher``) stores no logits: it keeps the last layer's output as one more
+``features.<L-1>``, and every step computes the teacher's top-k from it with the target's final norm and
+LM head (``train/teacher.teacher_from_final_state``), the work the peers' offline steps do.
 Shards are written to a temporary name and renamed, so a crash leaves only whole shards; a rerun
 skips every shard whose row hash still matches.
 
@@ -35,10 +38,12 @@ from tqdm.auto import tqdm
 from draftsmith import files
 from draftsmith.decode.target import Target
 from draftsmith.train.objective import Batch, Teacher
-from draftsmith.train.teacher import compute_teacher
+from draftsmith.train.teacher import compute_teacher, final_layer
 
 MANIFEST = "cache.json"
 FORMAT_VERSION = 1
+TEACHERS = ("logits", "final_state")
+"""What a cache keeps for the loss's teacher: the top-k logits, or the last layer's output (see above)."""
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value: each token's features are scaled so its absmax lands here
 _DTYPE_NAMES = {
@@ -89,7 +94,8 @@ def _rows_hash(rows: Sequence[dict]) -> str:
     return h.hexdigest()[:16]
 
 
-def _shard_path(directory: Path, index: int) -> Path:
+def shard_path(directory: Path, index: int) -> Path:
+    """Where shard ``index`` of a cache lives (also for a cache written outside ``build_feature_cache``)."""
     return directory / f"shard-{index:05d}.safetensors"
 
 
@@ -122,6 +128,7 @@ def build_feature_cache(
     rank: int = 0,
     world_size: int = 1,
     wait_timeout: float = 24 * 3600.0,
+    teacher: str = "logits",
 ) -> Path:
     """Fill ``directory`` with the target's outputs for every row of ``dataset`` (input_ids/loss_mask rows).
 
@@ -133,8 +140,8 @@ def build_feature_cache(
         raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    manifest = _manifest(target, len(dataset), layers, topk, examples_per_shard, feature_dtype)
-    layers, topk = manifest["layers"], manifest["topk"]
+    manifest = _manifest(target, len(dataset), layers, topk, examples_per_shard, feature_dtype, teacher)
+    layers, topk = manifest["layers"], stored_topk(manifest)
     stored_dtype = getattr(torch, manifest["feature_dtype"])
     hidden = int(target.config.hidden_size)
     if rank == 0:
@@ -149,6 +156,10 @@ def build_feature_cache(
     num_shards = (len(dataset) + examples_per_shard - 1) // examples_per_shard
     per_token = bytes_per_token(hidden, len(layers), topk, stored_dtype, target.vocab_size)
     what = "full logits (bf16)" if manifest["full_logits"] else f"top-{topk} logits (bf16 + int32 ids)"
+    if teacher == "final_state":
+        what = (
+            f"no logits (the top-{manifest['topk']} taken in each step from layer {manifest['final_layer']})"
+        )
     lengths = [len(ids) for ids in dataset["input_ids"]]
     total = per_token * sum(lengths)
     if rank == 0:
@@ -169,7 +180,7 @@ def build_feature_cache(
             range(shard * examples_per_shard, min(len(dataset), (shard + 1) * examples_per_shard))
         )
         hashes[shard] = _rows_hash(rows)
-        if shard % world_size == rank and _shard_hash(_shard_path(directory, shard)) != hashes[shard]:
+        if shard % world_size == rank and _shard_hash(shard_path(directory, shard)) != hashes[shard]:
             todo.append((shard, rows, hashes[shard]))
     mine = len(range(rank, num_shards, world_size))
     if len(todo) < mine:
@@ -183,7 +194,7 @@ def build_feature_cache(
             _write_shard(
                 target,
                 rows,
-                _shard_path(directory, shard),
+                shard_path(directory, shard),
                 layers,
                 topk,
                 batch_size,
@@ -194,9 +205,9 @@ def build_feature_cache(
             )
     if world_size > 1:
         missing = lambda: [  # noqa: E731
-            _shard_path(directory, s).name
+            shard_path(directory, s).name
             for s, h in hashes.items()
-            if _shard_hash(_shard_path(directory, s)) != h
+            if _shard_hash(shard_path(directory, s)) != h
         ]
         _wait_for(
             lambda: not missing(), wait_timeout, f"the shards of the other ranks in {directory}", missing
@@ -205,12 +216,20 @@ def build_feature_cache(
 
 
 def _manifest(
-    target: Target, num_examples: int, layers, topk: int, examples_per_shard: int, feature_dtype: str
+    target: Target,
+    num_examples: int,
+    layers,
+    topk: int,
+    examples_per_shard: int,
+    feature_dtype: str,
+    teacher: str = "logits",
 ) -> dict:
     """What a cache of these settings records about itself (``cache.json``)."""
+    if teacher not in TEACHERS:
+        raise ValueError(f"cache teacher {teacher!r} is not one of {', '.join(TEACHERS)}")
     stored_dtype = feature_dtype_for(target.dtype, feature_dtype)
     topk = min(topk, target.vocab_size)
-    return {
+    manifest = {
         "format_version": FORMAT_VERSION,
         "target": target.record(),
         "target_dtype": _DTYPE_NAMES[target.dtype],
@@ -220,7 +239,17 @@ def _manifest(
         "full_logits": topk == target.vocab_size,
         "examples_per_shard": examples_per_shard,
         "num_examples": num_examples,
+        "teacher": teacher,
     }
+    if teacher == "final_state":  # the last layer's output kept; the top-k is taken in each step, not stored
+        final = final_layer(target)
+        manifest.update(layers=sorted({*manifest["layers"], final}), full_logits=False, final_layer=final)
+    return manifest
+
+
+def stored_topk(manifest: dict) -> int:
+    """Logits per token a cache's shards hold: its top-k, or none in a ``final_state`` cache."""
+    return 0 if manifest.get("teacher", "logits") == "final_state" else int(manifest["topk"])
 
 
 def feature_cache_complete(
@@ -231,13 +260,14 @@ def feature_cache_complete(
     topk: int,
     examples_per_shard: int = 256,
     feature_dtype: str = "auto",
+    teacher: str = "logits",
 ) -> bool:
     """Whether ``directory`` already holds every shard ``build_feature_cache`` would write for these rows
     (the target itself is not run, so a skeleton target serves: only its record, dtype and vocabulary are
     read). A cache made with other fixed settings (another target, layers, top-k, ...) is an error naming
     them, as ``build_feature_cache`` gives; a missing manifest or a shard of other rows is just not complete."""
     directory = Path(directory)
-    manifest = _manifest(target, len(dataset), layers, topk, examples_per_shard, feature_dtype)
+    manifest = _manifest(target, len(dataset), layers, topk, examples_per_shard, feature_dtype, teacher)
     try:
         old = json.loads((directory / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError):
@@ -249,7 +279,7 @@ def feature_cache_complete(
         rows = dataset.select(
             range(shard * examples_per_shard, min(len(dataset), (shard + 1) * examples_per_shard))
         )
-        if _shard_hash(_shard_path(directory, shard)) != _rows_hash(rows):
+        if _shard_hash(shard_path(directory, shard)) != _rows_hash(rows):
             return False
     return True
 
@@ -298,8 +328,10 @@ def _check_manifest(directory: Path, old: dict, manifest: dict) -> None:
         "layers",
         "topk",
         "examples_per_shard",
+        "teacher",
     )
-    diff = [k for k in fixed if old.get(k) != manifest[k]]
+    # a cache written before ``teacher`` was recorded holds logits
+    diff = [k for k in fixed if old.get(k, "logits" if k == "teacher" else None) != manifest.get(k, "logits")]
     if diff:
         raise ValueError(
             f"{directory} holds a feature cache built with different {', '.join(diff)} "
@@ -319,7 +351,7 @@ def _write_shard(target, rows, path, layers, topk, batch_size, pad_id, feature_d
         "offsets": offsets.to(torch.int64),
         "input_ids": torch.empty(n_tokens, dtype=torch.int32),
         "loss_mask": torch.empty(n_tokens, dtype=torch.uint8),
-        "topk_logits": torch.empty(n_tokens, topk, dtype=torch.bfloat16),
+        "topk_logits": torch.empty(n_tokens, topk, dtype=torch.bfloat16),  # [N, 0] in a final_state cache
         **{f"features.{i}": torch.empty(n_tokens, hidden, dtype=feature_dtype) for i in layers},
     }
     if feature_dtype == FP8:
@@ -360,6 +392,8 @@ class FeatureCache(torch.utils.data.Dataset):
     """Read a cache back: item i is one example's tokens and teacher outputs (unpadded tensors)."""
 
     def __init__(self, directory: str | Path):
+        """``topk`` is the logits each item holds (0 in a ``final_state`` cache, whose ``features`` hold the
+        last layer's output as well: ``teacher_from_final_state`` turns them into the logits cache's)."""
         self.directory = Path(directory)
         path = self.directory / MANIFEST
         if not path.exists():
@@ -368,7 +402,8 @@ class FeatureCache(torch.utils.data.Dataset):
             )
         self.manifest = json.loads(path.read_text())
         self.layers = [int(i) for i in self.manifest["layers"]]
-        self.topk = int(self.manifest["topk"])
+        self.topk = stored_topk(self.manifest)
+        self.teacher = self.manifest.get("teacher", "logits")
         self.full_logits = bool(self.manifest.get("full_logits", False))
         self.target_dtype = getattr(torch, self.manifest["target_dtype"])
         self.fp8 = self.manifest.get("feature_dtype") == _DTYPE_NAMES[FP8]
@@ -376,12 +411,12 @@ class FeatureCache(torch.utils.data.Dataset):
         n = int(self.manifest["num_examples"])
         self._offsets: list[torch.Tensor] = []
         for shard in range((n + per_shard - 1) // per_shard):
-            shard_path = _shard_path(self.directory, shard)
-            if not shard_path.exists():
+            path = shard_path(self.directory, shard)
+            if not path.exists():
                 raise FileNotFoundError(
-                    f"feature cache {self.directory} is incomplete: {shard_path.name} is missing; rebuild it"
+                    f"feature cache {self.directory} is incomplete: {path.name} is missing; rebuild it"
                 )
-            with safe_open(str(shard_path), "pt") as f:
+            with safe_open(str(path), "pt") as f:
                 self._offsets.append(f.get_tensor("offsets"))
         self._per_shard = per_shard
         self._len = n
@@ -407,7 +442,7 @@ class FeatureCache(torch.utils.data.Dataset):
             raise IndexError(index)
         shard, local = divmod(index, self._per_shard)
         if shard not in self._handles:
-            self._handles[shard] = safe_open(str(_shard_path(self.directory, shard)), "pt")
+            self._handles[shard] = safe_open(str(shard_path(self.directory, shard)), "pt")
         f = self._handles[shard]
         lo, hi = int(self._offsets[shard][local]), int(self._offsets[shard][local + 1])
         ids = None

@@ -332,7 +332,7 @@ def _train_locked(
         train_ds = rows_to_cache(train_ds, config, world_size, rank)
         complete = all(
             feature_cache_complete(target, ds, directory, objective.capture_layers, objective.teacher_topk,
-                                   c.examples_per_shard, c.feature_dtype)
+                                   c.examples_per_shard, c.feature_dtype, c.teacher)
             for ds, directory in zip((train_ds, heldout_ds), cache_dirs)
         )  # fmt: skip
         if not target.materialized and (not complete or objective.reads_target_layers):
@@ -351,6 +351,7 @@ def _train_locked(
                 build_feature_cache(
                     target, ds, directory, objective.capture_layers, objective.teacher_topk, c.examples_per_shard,
                     c.batch_size, pad_id, feature_dtype=c.feature_dtype, rank=capturer, world_size=capturers,
+                    teacher=c.teacher,
                 )  # fmt: skip
         if target.materialized:
             target.model.to("cpu")  # offline: the target's work is done; free the accelerator for the draft

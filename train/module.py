@@ -20,12 +20,13 @@ import torch
 import yaml
 
 from draftsmith import files
+from draftsmith.decode.features import final_norm
 from draftsmith.decode.target import Target
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.train.checkpoint import DRAFT_DIR, drop_frozen, export_draft, restore_frozen
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.schema import TrainConfig, to_dict
-from draftsmith.train.teacher import compute_teacher
+from draftsmith.train.teacher import compute_teacher, teacher_from_final_state
 
 
 def acceptance_summary(histogram: torch.Tensor) -> dict[str, float]:
@@ -84,6 +85,9 @@ class DraftModule(L.LightningModule):
         return _to_device(batch, device)
 
     def on_fit_start(self) -> None:
+        if self.target is not None and self._head_in_step:  # offline: the final norm and LM head run here
+            final_norm(self.target.model).to(self.device)
+            self.target.model.get_output_embeddings().to(self.device)
         if self.target is None or self.config.mode != "online":
             return
         if self.config.target.shard:  # each rank keeps 1/N of the target (train/shard_target.py)
@@ -112,7 +116,16 @@ class DraftModule(L.LightningModule):
         if isinstance(batch, Batch):  # online: one no-grad target forward
             obj = self.objective
             return batch, compute_teacher(self.target, batch, obj.capture_layers, obj.teacher_topk)
-        return batch  # offline: (Batch, Teacher) read from the feature cache
+        batch, teacher = batch  # offline: read from the feature cache
+        if self._head_in_step:  # a final_state cache: the teacher's top-k from its last layer, here
+            obj = self.objective
+            teacher = teacher_from_final_state(self.target, teacher, obj.capture_layers, obj.teacher_topk)
+        return batch, teacher
+
+    @property
+    def _head_in_step(self) -> bool:
+        """Whether each step computes the teacher's logits from a ``final_state`` cache (``cache.teacher``)."""
+        return self.config.mode == "offline" and self.config.cache.teacher == "final_state"
 
     # ---- steps
 

@@ -123,6 +123,11 @@ class CacheConfig:
     feature_dtype: Literal["auto", "bfloat16", "float8"] = "auto"
     """Stored dtype of the features: auto = the target's if 16-bit, else bfloat16; float8 = e4m3 with one
     float32 scale per token and layer (about half of bfloat16's bytes, ~2 significant digits)."""
+    teacher: Literal["logits", "final_state"] = "logits"
+    """What the cache keeps for the loss's teacher: logits = the target's top-k logits, computed once;
+    final_state = the last layer's output (one more layer of features a token, no logits), the target's
+    final norm and LM head applied to it in every step (as SpecForge's and speculators' offline steps do:
+    more work a step, the same teacher to bf16 rounding)."""
 
 
 @dataclass(config=SECTION)

@@ -3,13 +3,15 @@
 One no-grad forward of the stock model over the padded batch, with forward hooks capturing the
 layers the objective asked for; only the top-k logits per position are kept, since the full
 [B, T, V] logits are by far the largest tensor and no loss needs more than the head of them.
+An offline cache of the last layer's output instead of logits (``cache.teacher: final_state``) gets its
+top-k in every step from ``teacher_from_final_state``: the target's final norm and LM head on that state.
 """
 
 from __future__ import annotations
 
 import torch
 
-from draftsmith.decode.features import capture_layers
+from draftsmith.decode.features import capture_layers, final_norm
 from draftsmith.decode.target import Target
 from draftsmith.train.objective import Batch, Teacher
 
@@ -44,3 +46,35 @@ def compute_teacher(target: Target, batch: Batch, layers: tuple[int, ...] | list
         values, ids = topk_logits(out.logits, topk)
         return Teacher(features=features, topk_logits=values, topk_ids=ids)
     return Teacher(features=features)
+
+
+def final_layer(target: Target) -> int:
+    """The id of the target's last decoder layer, whose output (before the final norm) a ``final_state``
+    cache keeps for the teacher."""
+    return int(target.config.num_hidden_layers) - 1
+
+
+@torch.no_grad()
+def head_logits(target: Target, final_state: torch.Tensor) -> torch.Tensor:
+    """[..., V] next-token logits from the last layer's output [..., H]: the target's final norm, LM head and
+    logit soft-capping where it has one (Gemma 2), as its own forward applies them."""
+    model = target.model
+    logits = model.get_output_embeddings()(final_norm(model)(final_state))
+    cap = getattr(target.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+@torch.no_grad()
+def teacher_from_final_state(
+    target: Target, teacher: Teacher, layers: tuple[int, ...] | list[int], topk: int
+) -> Teacher:
+    """The teacher a logits cache would hold, from a ``final_state`` cache's: the top-``topk`` of
+    ``head_logits`` over the cached last layer, and only the ``layers`` the objective reads kept as features.
+
+    This is the target-head work SpecForge's ``TargetHead`` and speculators' ``verifier_norm`` + ``lm_head``
+    do in every offline step (one [T, H] x [H, V] product per row)."""
+    features = {i: teacher.features[i] for i in layers}
+    if topk <= 0:
+        return Teacher(features=features)
+    values, ids = topk_logits(head_logits(target, teacher.features[final_layer(target)]), topk)
+    return Teacher(features=features, topk_logits=values, topk_ids=ids)

@@ -12,17 +12,31 @@ With another ``trainer.batch_size`` the run takes as many steps as see the same 
 ``--draft dflash``: the quickstart recipe with its ``draft`` section replaced by a DFlash draft (one layer,
 block size 8, DFlash's defaults otherwise: ``train/peer_inputs.draftsmith_dflash_draft``), written beside
 the run as ``recipe.yaml``; the rest of the recipe (data, optimizer, schedule, batch) as it is.
+
+``--offline DIR`` (bench/step_like_for_like.py): the quickstart recipe offline from the feature cache in
+``DIR/{train,heldout}`` that bench wrote from the peers' capture (``cache.teacher: final_state``: the
+target's final norm and LM head in every step), one pass over its rows (whole batches), validated once at
+the end. ``train`` would check the cache's rows against the recipe's own dataset and capture its own, so
+the run is put together from the loop's parts instead (``make_loaders``, ``DraftModule``,
+``make_trainer``: the same training step); the target is the skeleton an offline run with a complete
+cache loads (embedding, final norm, LM head), from the folder the capture ran (``target_path``).
+Every batch's real tokens and positions are counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
+import lightning as L
+import torch
 from driver import driver_args, record_steps, write_result
 
 from draftsmith.train.config import load_config, resolve_recipe
 from draftsmith.train.loop import train
+from draftsmith.train.objective import Batch
 from draftsmith.train.peer_inputs import draftsmith_dflash_draft
 
 
@@ -39,6 +53,46 @@ def recipe(draft: str, out) -> str:
     return str(path)
 
 
+class StepTokens(L.Callback):
+    """Real tokens and positions (padding included) of every training batch, in order."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.positions: list[int] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        mask = (batch if isinstance(batch, Batch) else batch[0]).attention_mask
+        self.tokens.append(int(mask.sum()))
+        self.positions.append(mask.numel())
+
+
+def train_from_cache(config, cache: Path, work: Path, callbacks: list) -> tuple[int, dict]:
+    """(steps, last validation) of ``config`` trained offline on the bench's cache (module docstring)."""
+    from draftsmith.decode.target import load_target_skeleton
+    from draftsmith.train.corpus.tokens import pad_id_of
+    from draftsmith.train.distributed import resolve_auto_precision
+    from draftsmith.train.loop import make_loaders, make_trainer
+    from draftsmith.train.module import DraftModule
+    from draftsmith.train.registry import build_objective
+
+    config = resolve_auto_precision(config)
+    tc, out = config.target, Path(config.output.dir)
+    target = load_target_skeleton(tc.spec, "cpu", tc.dtype, tc.chat_template)
+    counts = json.loads((work / "data" / "vocab_counts.json").read_text())["assistant"]
+    token_counts = torch.zeros(target.vocab_size, dtype=torch.long)
+    for token, n in counts.items():
+        token_counts[int(token)] = n
+    L.seed_everything(config.trainer.seed, workers=True, verbose=False)
+    objective = build_objective(config.draft.kind, target, config.draft.options, token_counts)
+    loaders = make_loaders(config, None, None, pad_id_of(target.tokenizer), (cache / "train", cache / "heldout"),
+                           target.dtype)  # fmt: skip
+    module = DraftModule(objective, config, target, out)
+    trainer = make_trainer(config, out, callbacks=callbacks, enable_progress_bar=False)
+    trainer.fit(module, *loaders)
+    val = {k: v for k, v in module.val_history[-1].items() if k not in ("step", "histogram")}
+    return trainer.global_step, {**val, "precision": config.trainer.precision, "target_dtype": tc.dtype}
+
+
 def main() -> int:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
@@ -47,16 +101,30 @@ def main() -> int:
     ablation = [f"--{item.removeprefix('--')}" for item in known.override]
     base = recipe(args.draft, args.out)
     config = load_config(base, ablation)
-    rows = budget["draftsmith_steps"] * budget["batch_size"]
-    steps = -(-rows // config.trainer.batch_size)
-    overrides = [*ablation, f"--trainer.max_steps={steps}", "--trainer.max_time=null",
-                 f"--output.dir={args.out / 'run'}"]  # fmt: skip
-    config = load_config(base, overrides)
+    counter = StepTokens()
     marks = record_steps()
-    result = train(config, overwrite=True)
-    write_result(
-        args.out, marks, result.draft_dir, heldout=result.val, steps=result.steps, overrides=overrides
-    )
+    if args.offline:
+        from draftsmith.train.feature_cache import FeatureCache
+
+        steps = len(FeatureCache(args.offline / "train")) // config.trainer.batch_size  # whole batches
+        # the target folder the capture ran (its final norm and LM head), not the recipe's own conversion of it
+        overrides = [*ablation, f"--target.spec={budget['target_path']}", "--mode=offline",
+                     "--cache.teacher=final_state", f"--cache.dir={args.offline}",
+                     f"--trainer.max_steps={steps}", "--trainer.max_time=null", f"--trainer.val_every={steps}",
+                     f"--trainer.ckpt_every={steps}", f"--output.dir={args.out / 'run'}"]  # fmt: skip
+        config = load_config(base, overrides)
+        taken, heldout = train_from_cache(config, args.offline, args.work, [counter])
+        head = args.out / "run" / "draft"
+    else:
+        rows = budget["draftsmith_steps"] * budget["batch_size"]
+        steps = -(-rows // config.trainer.batch_size)
+        overrides = [*ablation, f"--trainer.max_steps={steps}", "--trainer.max_time=null",
+                     f"--output.dir={args.out / 'run'}"]  # fmt: skip
+        config = load_config(base, overrides)
+        result = train(config, overwrite=True, callbacks=[counter])
+        taken, heldout, head = result.steps, result.val, result.draft_dir
+    write_result(args.out, marks, head, heldout=heldout, steps=taken, overrides=overrides,
+                 step_tokens=counter.tokens[: len(marks)], step_positions=counter.positions[: len(marks)])  # fmt: skip
     return 0
 
 

@@ -32,6 +32,20 @@ def record_steps() -> list[tuple[float, float]]:
     return marks
 
 
+def counted(collate, tokens: list[int], positions: list[int], mask_key: str = "attention_mask"):
+    """``collate`` that also appends each batch's real tokens (``mask_key`` ones) to ``tokens`` and the
+    positions it computes (padding included) to ``positions``, in the order the batches are made."""
+
+    def collate_counting(*args):
+        out = collate(*args)
+        mask = out[mask_key]
+        tokens.append(int(mask.sum()))
+        positions.append(int(mask.numel()))
+        return out
+
+    return collate_counting
+
+
 def loaded_distributions() -> dict[str, str]:
     """Installed distributions (name: version) whose top-level modules this process imported: what the run used."""
     import sys
@@ -50,7 +64,7 @@ def write_result(out: Path, marks: list, head: Path | None, **fields) -> None:
 
 
 def driver_args() -> tuple[argparse.Namespace, dict]:
-    """(``--work``, ``--out``, ``--draft`` and the ``--override`` pairs as bench/peer_training.py passes them,
+    """(``--work``, ``--out``, ``--draft``, ``--offline`` and the ``--override`` pairs as the benches pass them,
     the bench's budget); ``--out`` made."""
     p = argparse.ArgumentParser()
     p.add_argument("--work", type=Path, required=True, help="the bench's folder: data/, the captures")
@@ -58,6 +72,9 @@ def driver_args() -> tuple[argparse.Namespace, dict]:
     p.add_argument("--draft", choices=("eagle3", "dflash"), default="eagle3", help="the draft kind to train")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="one of the peer's own settings, in its own words (repeatable; see the driver)")  # fmt: skip
+    p.add_argument("--offline", type=Path, default=None, metavar="DIR",
+                   help="train from the features in DIR, written in this pipeline's own offline layout by "
+                   "bench/step_like_for_like.py (ModelOpt, draftsmith; SpecForge and speculators always do)")  # fmt: skip
     args = p.parse_args()
     args.override = [tuple(item.split("=", 1)) for item in args.override]
     args.out.mkdir(parents=True, exist_ok=True)

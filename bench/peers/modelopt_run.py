@@ -27,6 +27,17 @@ target runs in process in every step (ModelOpt's online mode). Where it departs,
 - Held-out: at the end, its model's own loss and per-TTT-step accuracies (what its training logs)
   on the held-out conversations, without updates; the example runs no evaluation by default.
 - The head is exported from the trained model in memory rather than reloaded from the saved checkpoint.
+- Each batch's real tokens and padded positions are counted (a wrapper around the collator) for the
+  steady rate.
+
+``--offline DIR`` (bench/step_like_for_like.py): ModelOpt's offline mode instead, as its example runs it
+with ``data.offline_data_path``: the base model loaded without its layers (``load_vlm_or_llm(...,
+use_offline_training=True)``), ``eagle_offline`` derived by the recipe, its ``OfflineSupervisedDataset``
+(``answer_only_loss``: the stored assistant mask) over ``DIR/train/*.pt`` and ``DIR/heldout/*.pt`` and its
+``EagleOfflineDataCollator`` (rows padded to ``training_seq_len``). Each ``.pt`` holds ``input_ids``,
+``loss_mask``, ``hidden_states`` (the final state after the norm) and ``aux_hidden_states`` (the three
+captured layers concatenated), the keys its ``compute_hidden_states_*`` scripts dump; every step applies
+the target's LM head to ``hidden_states`` for its self-distillation targets.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from driver import driver_args, record_steps, write_result
+from driver import counted, driver_args, record_steps, write_result
 from modelopt.torch.speculative.plugins.hf_training_args import TrainingArguments as SpecTrainingArgs
 
 HfTrainingArguments = dataclasses.make_dataclass(
@@ -132,8 +143,14 @@ def training_arguments(training: dict, seed: int | None) -> HfTrainingArguments:
 
 def main() -> int:
     args, budget = driver_args()
-    train = Conversations(args.work / "data" / "train.jsonl")
-    heldout = Conversations(args.work / "data" / "heldout.jsonl")
+    if args.offline:
+        from modelopt.torch.speculative.eagle.utils import OfflineSupervisedDataset
+
+        train, heldout = (OfflineSupervisedDataset(sorted((args.offline / split).glob("*.pt")), answer_only_loss=True)
+                          for split in ("train", "heldout"))  # fmt: skip
+    else:
+        train = Conversations(args.work / "data" / "train.jsonl")
+        heldout = Conversations(args.work / "data" / "heldout.jsonl")
     d2t = args.out / "d2t.pt"
     counts = json.loads((args.work / "data" / "vocab_counts.json").read_text())["all"]
     torch.save(calibrate(counts, budget["draft_vocab_size"]), d2t)
@@ -165,22 +182,34 @@ def main() -> int:
                  f"eagle.eagle_ttt_steps={budget['ttt_steps']}", "eagle.eagle_use_torch_compile=false",
                  *(f"eagle.eagle_architecture_config.{k}={v}" for k, v in arch.items()),
                  *(f"{k}={v}" for k, v in args.override)]  # ModelOpt's own recipe keys, last wins  # fmt: skip
+    if args.offline:  # its offline mode (the recipe derives eagle_offline from data.offline_data_path)
+        overrides += [f"data.offline_data_path={args.offline / 'train'}", "training.answer_only_loss=true"]
     check_keys(load_recipe(str(recipe_file)).model_dump(), [k for k, _ in args.override])
     recipe = load_recipe(str(recipe_file), overrides=overrides)
     training_args = training_arguments(recipe.training.model_dump(), seed)
-    model = load_vlm_or_llm(str(target), dtype="auto", device_map="cpu")
+    model = load_vlm_or_llm(
+        str(target), use_offline_training=bool(args.offline), dtype="auto", device_map="cpu"
+    )
     mtsp.convert(model, [("eagle", recipe.eagle.model_dump())])
     mtsp.plugins.HFEagleModel.load_draft_vocab_cache(model, recipe.data.draft_vocab_cache)
 
     marks = record_steps()
-    collate = pad_to(training_args.training_seq_len)
-    transformers.Trainer(model=model, args=training_args, train_dataset=train, data_collator=collate).train()
+    if args.offline:
+        from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator
+
+        collate = EagleOfflineDataCollator(training_args.training_seq_len)
+    else:
+        collate = pad_to(training_args.training_seq_len)
+    step_tokens, step_positions = [], []
+    counting = counted(collate, step_tokens, step_positions)
+    transformers.Trainer(model=model, args=training_args, train_dataset=train, data_collator=counting).train()
     heldout_record = heldout_metrics(model, heldout, collate)
     head = args.out / "head"
     model.eval()
     with torch.inference_mode():
         export_speculative_decoding(model, export_dir=head)
-    write_result(args.out, marks, head, steps=len(marks), heldout=heldout_record)
+    write_result(args.out, marks, head, steps=len(marks), heldout=heldout_record, offline=bool(args.offline),
+                 step_tokens=step_tokens[: len(marks)], step_positions=step_positions[: len(marks)])  # fmt: skip
     return 0
 
 

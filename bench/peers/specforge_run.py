@@ -22,6 +22,9 @@ own pipeline, and why:
   ``model.lm_head_key=model.embed_tokens.weight``. Everything else is SpecForge's default (AdamW
   lr 1e-4, cosine, warmup 1.5%, batch 1 conversation, one epoch), except ``ttt_length`` (the bench's TTT
   depth) and one evaluation on the held-out features at the end.
+- Each batch's real tokens and padded positions are counted (a wrapper around its
+  ``DataCollatorWithPadding.__call__``) for the steady rate: several conversations a step are padded to
+  the longest.
 
 ``--draft dflash``: ``training.strategy=dflash`` on ``.ckpt`` records holding the three tapped states
 concatenated as ``hidden_states`` (its DFlash trainer learns the data's own tokens: no final state, no
@@ -44,7 +47,7 @@ import types
 from pathlib import Path
 
 import torch
-from driver import driver_args, record_steps, set_dotted, write_result
+from driver import counted, driver_args, record_steps, set_dotted, write_result
 
 os.environ.setdefault("SPECFORGE_DEVICE", "cpu")
 
@@ -62,6 +65,17 @@ def torch_log_softmax_loss() -> types.ModuleType:
     module = types.ModuleType("specforge.core.loss")
     module.LogSoftmaxLoss = LogSoftmaxLoss
     return module
+
+
+def count_step_tokens() -> tuple[list[int], list[int]]:
+    """(real tokens, padded positions) of every batch SpecForge's collator pads, in order (training first):
+    its batches of several conversations are padded to the longest."""
+    from specforge.data.utils import DataCollatorWithPadding
+
+    tokens: list[int] = []
+    positions: list[int] = []
+    DataCollatorWithPadding.__call__ = counted(DataCollatorWithPadding.__call__, tokens, positions)
+    return tokens, positions
 
 
 def target_with_index(target: Path, folder: Path) -> Path:
@@ -139,6 +153,7 @@ def main() -> int:
     args, budget = driver_args()
     sys.modules["specforge.core.loss"] = torch_log_softmax_loss()
     marks = record_steps()
+    step_tokens, step_positions = count_step_tokens()
 
     target = target_with_index(Path(budget["target_path"]), args.out / "target")
     run = {
@@ -196,7 +211,8 @@ def main() -> int:
     heldout = (
         {k.removeprefix("eval/"): v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
     )
-    write_result(args.out, marks, head, heldout=heldout, steps=len(marks))
+    write_result(args.out, marks, head, heldout=heldout, steps=len(marks), step_tokens=step_tokens[: len(marks)],
+                 step_positions=step_positions[: len(marks)])  # fmt: skip
     return 0
 
 

@@ -18,7 +18,7 @@ speculators' own pipeline, and why:
 - CPU flags: ``--loss-implementation eager --draft-attn-impl sdpa --num-workers 0`` (the fused loss
   and flex attention need a GPU; no workers so its CPU time is this process's).
 - Its packed steps hold different numbers of tokens, so the collator's output is counted per step
-  (a wrapper around ``CollateFn.__call__``) for the steady-state rate.
+  (a wrapper around ``CollateFn.__call__``: real tokens and positions) for the steady-state rate.
 - One epoch (its default is 20) so it trains on the bench's token budget; the bench's draft
   vocabulary and TTT depth. Everything else is speculators' default: Muon with AdamW for the rest,
   lr 1e-3, linear schedule, conversations packed into 8,192-token steps, its EAGLE-3 variant
@@ -60,20 +60,22 @@ def patch_trainer_for_cpu() -> None:
     )
 
 
-def count_step_tokens() -> list[int]:
-    """Real (non-padding) positions of every batch speculators' collator packs, in order (training first)."""
+def count_step_tokens() -> tuple[list[int], list[int]]:
+    """(real tokens, positions) of every batch speculators' collator packs, in order (training first)."""
     from speculators.train import data
 
     counts: list[int] = []
+    positions: list[int] = []
     collate = data.CollateFn.__call__
 
     def counting(self, batch):
         out = collate(self, batch)
         counts.append(int((out["document_ids"] >= 0).sum()))
+        positions.append(out["document_ids"].numel())
         return out
 
     data.CollateFn.__call__ = counting
-    return counts
+    return counts, positions
 
 
 def main() -> int:
@@ -82,7 +84,7 @@ def main() -> int:
     split = json.loads((data / "split.json").read_text())
     patch_trainer_for_cpu()
     marks = record_steps()
-    step_tokens = count_step_tokens()
+    step_tokens, step_positions = count_step_tokens()
     save = args.out / "checkpoints"
     shutil.rmtree(save, ignore_errors=True)  # a fresh run, as every run of the bench is
     if args.draft == "dflash":
@@ -108,9 +110,8 @@ def main() -> int:
     heldout = json.loads(
         (head / "val_metrics.json").read_text()
     )  # its validation: the held-out conversations
-    write_result(
-        args.out, marks, head, heldout=heldout, steps=len(marks), step_tokens=step_tokens[: len(marks)]
-    )
+    write_result(args.out, marks, head, heldout=heldout, steps=len(marks), step_tokens=step_tokens[: len(marks)],
+                 step_positions=step_positions[: len(marks)])  # fmt: skip
     return 0
 
 
