@@ -340,20 +340,17 @@ def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None 
         out = work / "runs" / run
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         print(f"peer_training: training {run} ...", file=sys.stderr, flush=True)
-        timed = run_timed(
-            train_command(run, work, budget, ablations.get(run, [])), out.with_suffix(".log"), env
-        )
+        from draftsmith.eval.report import provenance
+
+        overrides = list(ablations.get(run, []))
+        made = provenance(seed=run_seed(overrides, pipeline))  # each run's own, taken as it starts
+        timed = run_timed(train_command(run, work, budget, overrides), out.with_suffix(".log"), env)
         report = out / "result.json"
         timed.update(
             json.loads(report.read_text()) if report.exists() else {"error": "no result.json; see the log"}
         )
         timed.update(throughput(timed, budget))
-        from draftsmith.eval.report import provenance
-
-        timed["overrides"] = list(ablations.get(run, []))
-        timed["provenance"] = provenance(
-            seed=run_seed(timed["overrides"], pipeline)
-        )  # each run's own, in a sweep
+        timed["overrides"], timed["provenance"] = overrides, made
         results[run] = timed
         print(f"peer_training: {run} rc={timed['returncode']} in {timed['wall_s']:.0f} s", file=sys.stderr)
         if save:

@@ -473,3 +473,22 @@ def test_a_runs_seed_is_its_own_seed_override_in_any_pipelines_words():
     assert (
         peer_training.run_seed([], "specforge") == 42 and peer_training.run_seed(["seed=2"], "modelopt") == 2
     )
+
+
+def test_a_runs_provenance_is_taken_as_it_starts(tmp_path, monkeypatch):
+    """A sweep run trains for up to an hour while the tree may move on: its record names the commit it started
+    from, not the one checked out when it ended."""
+    import draftsmith.eval.report as report
+
+    head = {"commit": "a"}
+    monkeypatch.setattr(report, "provenance", lambda seed=None: {"commit": head["commit"], "seed": seed})
+
+    def fake_run(cmd, log, env=None):
+        head["commit"] = "b"  # a commit lands while the run trains
+        return {"returncode": 0, "wall_s": 1.0, "cpu_s": 1.0, "head": str(tmp_path)}
+
+    monkeypatch.setattr(peer_training, "run_timed", fake_run)
+    results = {}
+    budget = {"train": {"positions": 100, "loss_tokens": 50}}
+    peer_training.stage_train(tmp_path, [], budget, results, ablations={"specforge-x": ["training.seed=3"]})
+    assert results["specforge-x"]["provenance"] == {"commit": "a", "seed": 3}
