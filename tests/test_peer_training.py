@@ -492,3 +492,17 @@ def test_a_runs_provenance_is_taken_as_it_starts(tmp_path, monkeypatch):
     budget = {"train": {"positions": 100, "loss_tokens": 50}}
     peer_training.stage_train(tmp_path, [], budget, results, ablations={"specforge-x": ["training.seed=3"]})
     assert results["specforge-x"]["provenance"] == {"commit": "a", "seed": 3}
+
+
+def test_specforge_evaluates_once_at_its_last_step_whatever_its_batch():
+    """Its held-out evaluation fires every eval_interval steps: with 4 conversations a step the last step is
+    the 3rd of 10 conversations, not the 10th (the sweep's first batch-4 run logged no held-out metrics)."""
+    code = """
+import specforge_run
+for batch, expected in ((None, 10), (4, 3), (1, 10)):
+    run = {"training": {} if batch is None else {"batch_size": batch}}
+    specforge_run.evaluate_once_at_the_end(run, 10)
+    assert run["training"]["eval_interval"] == expected, run
+print("ok")
+"""
+    assert "ok" in run_in_peer("specforge", code)

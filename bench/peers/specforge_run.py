@@ -78,6 +78,13 @@ def count_step_tokens() -> tuple[list[int], list[int]]:
     return tokens, positions
 
 
+def evaluate_once_at_the_end(run: dict, conversations: int) -> None:
+    """SpecForge evaluates every ``eval_interval`` optimizer steps: set it to the run's last step, one
+    conversation a step unless ``training.batch_size`` (an override) takes several."""
+    batch = int(run["training"].get("batch_size", 1))
+    run["training"]["eval_interval"] = -(-conversations // batch)
+
+
 def target_with_index(target: Path, folder: Path) -> Path:
     """The target's files linked into ``folder`` with a ``model.safetensors.index.json`` beside them."""
     from safetensors import safe_open
@@ -168,15 +175,13 @@ def main() -> int:
         "training": {
             "fsdp_sharding": "NO_SHARD",
             "attention_backend": "sdpa",
-            "eval_interval": len(
-                list((args.work / "specforge" / "train").glob("*.ckpt"))
-            ),  # once, at the end
             "log_interval": 1,
         },
         "output_dir": str(args.out / "output"),
     }
     for key, value in args.override:  # SpecForge's own config keys (training.learning_rate=3e-4, ...);
         set_dotted(run, key, value)  # its schema forbids unknown ones, so a typo stops the run
+    evaluate_once_at_the_end(run, len(list((args.work / "specforge" / "train").glob("*.ckpt"))))
     draft_json = args.out / "draft.json"
     if args.draft == "dflash":
         run["training"]["strategy"] = "dflash"
