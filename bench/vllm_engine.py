@@ -48,6 +48,7 @@ from draftsmith.eval.report import bench_record, write_json
 from draftsmith.eval.served_acceptance import judge_server
 from draftsmith.eval.stats import SpeedupBound
 from draftsmith.export import export_checkpoint, import_peer_head
+from draftsmith.export.eagle import VariantNotExpressed
 from draftsmith.loading import resolve_model_path
 from draftsmith.openai_client import CompletionServer
 
@@ -90,6 +91,23 @@ def named(dirs: list[str] | None) -> list[tuple[str, str]]:
     return [tuple(d.split("=", 1)) if "=" in d else (Path(d).name, d) for d in dirs or ()]
 
 
+def served_folder(ckpt, own: Path | None, out: Path) -> Path:
+    """The folder vLLM serves a draft from: draftsmith's vLLM export of it, or, for a peer pipeline's head
+    whose EAGLE-3 variant that layout does not express (``export/eagle.check_exportable``: speculators'
+    ``norm_output``, ModelOpt's input norm on the fused feature), the folder the pipeline wrote. vLLM reads
+    those itself (speculators' format, ModelOpt's ``export_speculative_decoding``), as the pipeline's own
+    users serve them; an own export vLLM cannot read fails in vLLM, saying so."""
+    if (out / "config.json").is_file():
+        return out
+    try:
+        export_checkpoint(ckpt, "vllm", out)
+    except VariantNotExpressed:
+        if own is None:
+            raise
+        return own
+    return out
+
+
 def settings(args, target_dir: str, work: Path) -> list[Setting]:
     """Every draft, exported for vLLM under ``work``, with its vLLM speculative config."""
     found = [Setting("alone", None, None, 0)]
@@ -103,17 +121,18 @@ def settings(args, target_dir: str, work: Path) -> list[Setting]:
     drafts += [(f"{PEAGLE}:{n}", r) for n, r in named(args.peagle)]
     for name, run in drafts:
         ckpt = locate_checkpoint(run)
-        if ckpt.kind.name in (PEER_EAGLE3, PEER_DFLASH):  # a peer pipeline's draft: read for the target first
+        own = ckpt.draft_dir if ckpt.kind.name in (PEER_EAGLE3, PEER_DFLASH) else None
+        if own is not None:  # a peer pipeline's draft: read for the target first
             ckpt = import_peer_head(ckpt, target_dir, work / f"{name.replace(':', '-')}-read")
-        out = work / f"{name.replace(':', '-')}-vllm"
-        if not (out / "config.json").is_file():
-            export_checkpoint(ckpt, "vllm", out)
+        out = served_folder(ckpt, own, work / f"{name.replace(':', '-')}-vllm")
         method = {"eagle": "eagle3", "medusa": "medusa", "causal_lm": "draft_model", "dflash": "dflash"}[
             ckpt.kind.family.name
         ]
         k = min(args.k, int(ckpt.config.get("num_heads", args.k))) if method == "medusa" else args.k
         k = int(ckpt.config["block_size"]) - 1 if method == "dflash" else k  # vLLM drafts whole blocks
         config = {"method": method, "model": str(out.resolve()), "num_speculative_tokens": k}
+        if out == own:
+            print(f"vLLM {name}: served from its pipeline's own export {own}", flush=True)
         if ckpt.kind.name == PEAGLE:  # the whole chain in one forward, as trained
             k = config["num_speculative_tokens"] = int(ckpt.config["parallel_depths"])
             config["parallel_drafting"] = True

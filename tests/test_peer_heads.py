@@ -390,6 +390,33 @@ def test_an_imported_variant_is_not_exported_as_a_plain_head(tiny, tmp_path, cap
     assert "feature_input_norm" in capsys.readouterr().err and not (tmp_path / "mo.gguf").exists()
 
 
+def test_vllm_serves_a_peers_variant_from_the_folder_the_peer_wrote(tiny, tmp_path):
+    """bench/vllm_engine.py: a head whose variant draftsmith's vLLM layout cannot carry is served from the
+    peer's own folder (vLLM reads speculators' format itself); a plain head from draftsmith's export, and
+    draftsmith's own head is never silently swapped."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import vllm_engine
+
+    options = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
+    own = speculators_layout(draftsmith_head(tiny["target"], **options), tmp_path / "spec")
+    ckpt = locate_checkpoint(str(own))
+    assert ckpt.kind.name == PEER_EAGLE3
+    read = vllm_engine.import_peer_head(ckpt, str(tiny["dir"]), tmp_path / "read")
+    assert vllm_engine.served_folder(read, ckpt.draft_dir, tmp_path / "spec-vllm") == ckpt.draft_dir
+    assert not (tmp_path / "spec-vllm" / "config.json").exists()
+
+    plain = speculators_layout(draftsmith_head(tiny["target"]), tmp_path / "plain")
+    ckpt = locate_checkpoint(str(plain))
+    read = vllm_engine.import_peer_head(ckpt, str(tiny["dir"]), tmp_path / "plain-read")
+    out = tmp_path / "plain-vllm"
+    assert vllm_engine.served_folder(read, ckpt.draft_dir, out) == out and (out / "config.json").is_file()
+
+    ours = tmp_path / "ours"
+    draftsmith_head(tiny["target"], norm_output=True).save_pretrained(ours)
+    with pytest.raises(ValueError, match="norm_output"):  # no peer folder to fall back on: refused
+        vllm_engine.served_folder(locate_checkpoint(str(ours)), None, tmp_path / "ours-vllm")
+
+
 def imported_head_gguf(tiny, tmp_path):
     """(the head, the GGUF of it read back from the reference layout by ``draftsmith export --to gguf``)."""
     head = draftsmith_head(tiny["target"])

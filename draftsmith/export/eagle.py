@@ -66,6 +66,13 @@ VARIANT_FIELDS = ("norm_before_residual", "norm_before_fc", "norm_output", "feat
 VARIANTS_CARRIED = {GGUF.name: ("norm_before_residual", "norm_before_fc")}
 """The variants an engine's layout carries: llama.cpp's eagle3 graph reads ``eagle3.norm_before_residual``
 and ``eagle3.norm_before_fc`` (with ``enc.output_norm.weight``). The others are refused for every engine."""
+
+
+class VariantNotExpressed(ValueError):
+    """A peer's head uses an EAGLE-3 variant the engine layout draftsmith writes does not carry: the head is
+    fine, and the pipeline that trained it may export it for that engine itself."""
+
+
 VARIANT_REASONS = {
     "norm_output": "llama.cpp feeds the pre-norm state back to the next draft step, this head the normed one",
     "feature_input_norm": "llama.cpp norms the fused feature with hidden_norm alone, this head with "
@@ -137,7 +144,7 @@ def check_exportable(config: dict, engine: str) -> None:
     variants = [key for key in VARIANT_FIELDS if config.get(key) and key not in carried]
     if variants:
         why = "".join(f"; {key}: {VARIANT_REASONS[key]}" for key in variants if key in VARIANT_REASONS)
-        raise ValueError(
+        raise VariantNotExpressed(
             f"the head was imported from another pipeline and uses {', '.join(variants)}: variants of EAGLE-3 "
             f"the {name} layout draftsmith writes does not express (it would run another function{why}). "
             "Evaluate it with `draftsmith eval`, or export it with the pipeline that trained it."
