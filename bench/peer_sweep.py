@@ -6,13 +6,13 @@ takes that record (--record) and:
 
   choose   per pipeline, the setting whose head has the highest held-out τ (bench/heldout_tau.py, k 5, the one
            judge for every pipeline; never dev), or the run --choose names
-  seeds    the chosen setting again at seeds 1 and 2 (in each pipeline's own words: peer_training.SEED_KEYS),
-           beside the chosen run at the pipeline's default seed, trained into the same record (resumable: a
-           finished run is kept)
+  seeds    the chosen setting again at seeds 1 and 2 (in each pipeline's own words:
+           peerbench.common.SEED_KEYS), beside the chosen run at the pipeline's default seed, trained into the
+           same record (resumable: a finished run is kept)
   judge    one run of bench/vllm_engine.py over all the heads: draftsmith's decoder (one interleaved evaluate,
            float32, greedy, k 5, dev prompts round-robin) and vLLM serving each head's export (batch 1 and 16;
-           skipped, saying so, where vLLM is not installed), then llama.cpp (peer_training.stage_llamacpp:
-           Q4_1 and F32 targets, k 5)
+           skipped, saying so, where vLLM is not installed), then llama.cpp
+           (peerbench.evaluation.stage_llamacpp: Q4_1 and F32 targets, k 5)
   summary  per pipeline, mean ± standard deviation over the three seeds: held-out τ, dev τ and speedup in
            draftsmith's decoder, vLLM's acceptance length and speedup, llama.cpp's τ and speedup
 
@@ -33,7 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-import peer_training as pt
+from peerbench.common import BENCH, JUDGE_K, SEED_KEYS, cpu_name, pipeline_of, run_timed
+from peerbench.evaluation import stage_llamacpp
+from peerbench.training import finished, stage_train
 
 SEEDS = (1, 2)
 """The replicate seeds beside each pipeline's default (draftsmith 0, SpecForge and speculators 42, ModelOpt 0)."""
@@ -46,10 +48,10 @@ def judged_tau(record: dict) -> float | None:
 def choose(train: dict, named: list[str] = ()) -> dict[str, str]:
     """pipeline → its chosen run: the one --choose names, else the highest held-out τ among its sweep runs
     (seed replicates are not candidates)."""
-    chosen = {pt.pipeline_of(run): run for run in named}
+    chosen = {pipeline_of(run): run for run in named}
     for run, record in train.items():
-        pipeline = pt.pipeline_of(run)
-        if pipeline in {pt.pipeline_of(r) for r in named} or "-seed" in run or judged_tau(record) is None:
+        pipeline = pipeline_of(run)
+        if pipeline in {pipeline_of(r) for r in named} or "-seed" in run or judged_tau(record) is None:
             continue
         if pipeline not in chosen or judged_tau(record) > judged_tau(train[chosen[pipeline]]):
             chosen[pipeline] = run
@@ -67,7 +69,7 @@ def seed_runs(train: dict, chosen: dict[str, str]) -> dict[str, list[str]]:
         overrides = list(train[run].get("overrides") or [])
         runs[run] = overrides  # trained again only if its head is gone
         for seed in SEEDS:
-            runs[replicate(run, seed)] = [*overrides, f"{pt.SEED_KEYS[pipeline]}={seed}"]
+            runs[replicate(run, seed)] = [*overrides, f"{SEED_KEYS[pipeline]}={seed}"]
     return runs
 
 
@@ -78,13 +80,13 @@ def groups(chosen: dict[str, str]) -> dict[str, list[str]]:
 
 def judge(work: Path, heads: dict[str, str], out: Path, limit: int, max_new_tokens: int) -> dict:
     """One bench/vllm_engine.py run over every head (draftsmith's decoder, then vLLM), then llama.cpp."""
-    cmd = [sys.executable, str(pt.BENCH / "vllm_engine.py"), "--no-ngram", "--limit", str(limit),
-           "--max-new-tokens", str(max_new_tokens), "--k", str(pt.JUDGE_K), "--work", str(work / "vllm"),
+    cmd = [sys.executable, str(BENCH / "vllm_engine.py"), "--no-ngram", "--limit", str(limit),
+           "--max-new-tokens", str(max_new_tokens), "--k", str(JUDGE_K), "--work", str(work / "vllm"),
            "--out", str(out), "--head", *(f"{run}={head}" for run, head in heads.items())]  # fmt: skip
-    timed = pt.run_timed(cmd, work / "vllm.log")
+    timed = run_timed(cmd, work / "vllm.log")
     engines = json.loads(out.read_text()) if out.exists() and not timed["returncode"] else None
     results = {run: {"head": head, "returncode": 0} for run, head in heads.items()}
-    llama = pt.stage_llamacpp(work, results, limit, max_new_tokens, pt.JUDGE_K)
+    llama = stage_llamacpp(work, results, limit, max_new_tokens, JUDGE_K)
     return {"engines_command": timed, "engines": engines, "llamacpp": llama}
 
 
@@ -123,7 +125,7 @@ def print_summary(train: dict, chosen: dict[str, str], summary: dict) -> None:
     print(f"\n{'run':<28} {'held-out τ':>10}  chosen")
     for run, record in train.items():
         if "-seed" not in run and judged_tau(record) is not None:
-            mark = "*" if chosen.get(pt.pipeline_of(run)) == run else ""
+            mark = "*" if chosen.get(pipeline_of(run)) == run else ""
             print(f"{run:<28} {judged_tau(record):>10.3f}  {mark}")
 
     def f(cell, spec=".3f"):
@@ -174,19 +176,16 @@ def main(argv: list[str] | None = None) -> int:
     members = groups(chosen)
     if "seeds" in args.stages:
         budget = json.loads((work / "data" / "budget.json").read_text())
-        pt.stage_train(work, [], budget, train, save_record, seed_runs(train, chosen), judge=True)
+        stage_train(work, [], budget, train, save_record, seed_runs(train, chosen), judge=True)
     from draftsmith.eval.report import provenance
 
-    out = {"date": time.strftime("%Y-%m-%d"), "cpu": pt.cpu_name(), "record": str(args.record),
+    out = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "record": str(args.record),
            "chosen": chosen, "members": members, "provenance": provenance(seed=None)}  # fmt: skip
     if args.out.exists():
         out = {**json.loads(args.out.read_text()), **out}
     if "judge" in args.stages:
         heads = {
-            run: train[run]["head"]
-            for runs in members.values()
-            for run in runs
-            if pt.finished(train.get(run))
+            run: train[run]["head"] for runs in members.values() for run in runs if finished(train.get(run))
         }
         missing = [run for runs in members.values() for run in runs if run not in heads]
         if missing:

@@ -30,7 +30,7 @@ lock, on the same conversations of one capture, each step doing the same work. T
 - Everything else is each pipeline's own (optimizer, lr, schedule, TTT depth 3, draft vocabulary 8,192,
   one decoder layer: the bench's shape), as bench/peers/*_run.py say.
 - Rate: the STEADY rate only, from the optimizer-step marks each driver records
-  (``peer_training.throughput``: from the end of step 2 to the end of the last; step 1 with fewer than 8
+  (``peerbench.training.throughput``: from the end of step 2 to the end of the last; step 1 with fewer than 8
   steps), tokens counted per step; also the median seconds a step (robust to a checkpoint or an
   evaluation falling between two marks). No whole-run rate is given: start-up, loading and the final
   evaluation are not steps.
@@ -59,7 +59,6 @@ roughly half (offline group ~10 min, ``--online`` ~8 min more).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -69,13 +68,12 @@ import time
 from pathlib import Path
 
 import torch
+from peerbench import common
+from peerbench.common import cpu_name, peer_python, pipeline_of, quickstart_seed, run_timed
+from peerbench.data import read_jsonl, read_vocab_counts, write_jsonl
+from peerbench.training import throughput, train_command
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-BENCH = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("peer_training", BENCH / "peer_training.py")
-peer_training = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(peer_training)
 
 OFFLINE = ("draftsmith", "specforge", "speculators", "modelopt")
 ONLINE = ("draftsmith", "modelopt")
@@ -127,10 +125,10 @@ def step_settings(step_tokens: int, mean_length: float, max_length: int) -> dict
 
 
 def steady(run: dict, budget: dict) -> dict:
-    """The steady figures of one run's record: ``peer_training.throughput``'s steady tokens/s and s/step,
+    """The steady figures of one run's record: ``peerbench.training.throughput``'s steady tokens/s and s/step,
     the median s/step and the mean real tokens and positions of the same steps."""
     marks = run.get("step_marks") or []
-    rates = {k: v for k, v in peer_training.throughput({**run, "wall_s": 1.0, "cpu_s": 0}, budget).items()
+    rates = {k: v for k, v in throughput({**run, "wall_s": 1.0, "cpu_s": 0}, budget).items()
              if k.startswith("steady_")}  # fmt: skip
     if not rates:
         return {"steps": len(marks)}
@@ -153,9 +151,9 @@ def subset_work(capture: Path, work: Path, conversations: int, heldout: int) -> 
     from draftsmith.train import peer_inputs
 
     budget = json.loads((capture / "data" / "budget.json").read_text())
-    capture_train = peer_training.read_jsonl(capture / "data" / "train.jsonl")
+    capture_train = read_jsonl(capture / "data" / "train.jsonl")
     train = capture_train[:conversations]
-    held = peer_training.read_jsonl(capture / "data" / "heldout.jsonl")[:heldout]
+    held = read_jsonl(capture / "data" / "heldout.jsonl")[:heldout]
     if len(train) < conversations:
         raise SystemExit(f"{capture} holds {len(train)} training conversations, fewer than {conversations}")
     marker = work / "subset.json"
@@ -168,8 +166,8 @@ def subset_work(capture: Path, work: Path, conversations: int, heldout: int) -> 
     marker.write_text(
         json.dumps({"capture": str(capture), "conversations": conversations, "heldout": heldout})
     )
-    peer_training.write_jsonl(data / "train.jsonl", train)
-    peer_training.write_jsonl(data / "heldout.jsonl", held)
+    write_jsonl(data / "train.jsonl", train)
+    write_jsonl(data / "heldout.jsonl", held)
     shutil.copy(capture / "data" / "vocab_counts.json", data / "vocab_counts.json")
     rows = pack([len(c["input_ids"]) for c in train], budget["max_length"])
     budget.update(train=peer_inputs.token_counts(train), heldout=peer_inputs.token_counts(held),
@@ -186,7 +184,7 @@ def subset_work(capture: Path, work: Path, conversations: int, heldout: int) -> 
     for i, source in enumerate(sources):  # its files are numbered training first, then held-out
         (states / f"hs_{i}.safetensors").symlink_to((capture / "speculators" / "hidden_states" /
                                                       f"hs_{source}.safetensors").resolve())  # fmt: skip
-    counts = peer_training.read_vocab_counts(capture)["assistant"]
+    counts = read_vocab_counts(capture)["assistant"]
     peer_inputs.write_speculators_index(work / "speculators", train, held, counts)
     write_modelopt_offline(work / "specforge", work / "modelopt")
     write_draftsmith_cache(work / "speculators", train, held, work / "draftsmith_cache", budget)
@@ -259,16 +257,17 @@ def write_draftsmith_cache(speculators: Path, train: list[dict], heldout: list[d
 
 
 def run_pipeline(run: str, work: Path, budget: dict, overrides: list[str], offline: bool) -> dict:
-    """One pipeline's driver under the bench lock (``peer_training.run_timed``); its record with the steady figures."""
-    pipeline = peer_training.pipeline_of(run)
-    if pipeline != "draftsmith" and not peer_training.peer_python(pipeline).exists():
+    """One pipeline's driver under the bench lock (``peerbench.common.run_timed``); its record with the steady
+    figures."""
+    pipeline = pipeline_of(run)
+    if pipeline != "draftsmith" and not peer_python(pipeline).exists():
         return {"skipped": f"no venv for {pipeline}: bash scripts/install_peers.sh --train {pipeline}"}
-    cmd = peer_training.train_command(run, work, budget, overrides)
+    cmd = train_command(run, work, budget, overrides)
     if offline and pipeline in ("draftsmith", "modelopt"):  # SpecForge and speculators read work/ as is
         cmd += ["--offline", str(work / ("draftsmith_cache" if pipeline == "draftsmith" else "modelopt"))]
     out = work / "runs" / run
     print(f"step_like_for_like: training {run} ...", file=sys.stderr, flush=True)
-    record = peer_training.run_timed(cmd, out.with_suffix(".log"), dict(os.environ, PYTHONUNBUFFERED="1"))
+    record = run_timed(cmd, out.with_suffix(".log"), dict(os.environ, PYTHONUNBUFFERED="1"))
     result = out / "result.json"
     record.update(
         json.loads(result.read_text()) if result.exists() else {"error": "no result.json; see the log"}
@@ -318,11 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--online", action="store_true", help="also ModelOpt and draftsmith online (a second table)"
     )
-    p.add_argument("--lock", type=Path, default=peer_training.LOCK,
+    p.add_argument("--lock", type=Path, default=common.LOCK,
                    help="the bench lock file (another only for a smoke run beside a measurement)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench/results/step_like_for_like.json"))
     args = p.parse_args(argv)
-    peer_training.LOCK = args.lock
+    common.LOCK = args.lock
     from draftsmith.eval.report import provenance
 
     work = args.work.resolve()
@@ -330,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = subset_work(args.capture.resolve(), work, args.conversations, args.heldout)
     mean_length = budget["train"]["positions"] / budget["train"]["conversations"]
     settings = step_settings(args.step_tokens, mean_length, budget["max_length"])
-    record = {"provenance": provenance(seed=peer_training.quickstart_seed()), "cpu": peer_training.cpu_name(),
+    record = {"provenance": provenance(seed=quickstart_seed()), "cpu": cpu_name(),
               "capture": str(args.capture.resolve()), "lock": str(args.lock), "step_tokens": args.step_tokens,
               "budget": budget, "inputs_s": time.perf_counter() - start, "offline": {}, "online": {},
               "rate": "steady only: peer_training.throughput between optimizer-step marks, the first steps "

@@ -1,5 +1,5 @@
-"""bench/peer_training.py's pure parts and train/peer_inputs.py: the token budget, the conversations, each
-peer's input layout.
+"""bench/peer_training.py's pure parts (bench/peerbench/) and train/peer_inputs.py: the token budget, the
+conversations, each peer's input layout.
 
 The layouts are read back by the peers' own readers where their venvs exist (``bash
 scripts/install_peers.sh``); without them those tests skip and the rest runs on draftsmith alone.
@@ -7,7 +7,6 @@ scripts/install_peers.sh``); without them those tests skip and the rest runs on 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,9 +19,9 @@ import torch
 from draftsmith.train import peer_inputs
 
 REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("peer_training", REPO / "bench" / "peer_training.py")
-peer_training = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(peer_training)
+sys.path.insert(0, str(REPO / "bench"))
+from peerbench import common, training  # noqa: E402
+from peerbench.data import read_jsonl, read_vocab_counts, write_jsonl  # noqa: E402
 
 PEERS_ROOT = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith")) / "peers"
 H = 8  # hidden size of the fake captures
@@ -73,20 +72,20 @@ def test_conversations_of_splits_packed_rows_where_positions_restart():
 def test_throughput_counts_steady_state_between_step_marks():
     budget = {"train": {"positions": 1000, "loss_tokens": 400}}
     marks = [(10.0, 20.0), (12.0, 24.0), (14.0, 28.0), (15.0, 30.0), (16.0, 32.0)]  # (wall, cpu) per step
-    rates = peer_training.throughput({"wall_s": 20.0, "cpu_s": 40.0, "step_marks": marks}, budget)
+    rates = training.throughput({"wall_s": 20.0, "cpu_s": 40.0, "step_marks": marks}, budget)
     assert rates["tokens_per_wall_s"] == 50.0 and rates["tokens_per_cpu_s"] == 25.0
     assert rates["loss_tokens_per_wall_s"] == 20.0
     # 200 positions a step; with fewer than 8 steps, steps 2-5 count: 600 positions in 4 s wall, 8 s CPU
     assert rates["steady_tokens_per_wall_s"] == pytest.approx(150.0)
     assert rates["steady_tokens_per_cpu_s"] == pytest.approx(75.0)
     counted = {"wall_s": 20.0, "cpu_s": 40.0, "step_marks": marks, "step_tokens": [500, 100, 100, 100, 200]}
-    steady = peer_training.throughput(counted, budget)["steady_tokens_per_wall_s"]
+    steady = training.throughput(counted, budget)["steady_tokens_per_wall_s"]
     assert steady == pytest.approx(100.0)  # the counted tokens of steps 3-5 (400) in 4 s
     eight = [(float(i), 2.0 * i) for i in range(8)]  # from 8 steps on, the first two are left out
-    assert peer_training.throughput({"wall_s": 8.0, "cpu_s": 16.0, "step_marks": eight}, budget)[
+    assert training.throughput({"wall_s": 8.0, "cpu_s": 16.0, "step_marks": eight}, budget)[
         "steady_s_per_step"
     ] == pytest.approx(1.0)
-    assert "steady_tokens_per_wall_s" not in peer_training.throughput({"wall_s": 1.0, "cpu_s": 1.0}, budget)
+    assert "steady_tokens_per_wall_s" not in training.throughput({"wall_s": 1.0, "cpu_s": 1.0}, budget)
 
 
 def fake_capture(T: int):
@@ -122,11 +121,11 @@ def write_layouts(work: Path) -> tuple[list[dict], list[dict]]:
     ]
     heldout = [{"input_ids": [3, 4, 8, 8], "loss_mask": [0, 1, 1, 1]}]
     (work / "data").mkdir(parents=True)
-    peer_training.write_jsonl(work / "data" / "train.jsonl", train)
-    peer_training.write_jsonl(work / "data" / "heldout.jsonl", heldout)
+    write_jsonl(work / "data" / "train.jsonl", train)
+    write_jsonl(work / "data" / "heldout.jsonl", heldout)
     counts = {"all": {3: 3, 4: 1, 5: 1, 6: 1, 7: 1, 9: 2}, "assistant": {4: 1, 5: 1, 6: 1, 7: 1, 9: 1}}
     (work / "data" / "vocab_counts.json").write_text(json.dumps(counts))
-    assistant = peer_training.read_vocab_counts(work)["assistant"]
+    assistant = read_vocab_counts(work)["assistant"]
     peer_inputs.write_peer_features(
         train,
         heldout,
@@ -142,8 +141,8 @@ def test_layouts_read_back(tmp_path):
     import datasets
 
     train, heldout = write_layouts(tmp_path)
-    assert peer_training.read_jsonl(tmp_path / "data" / "train.jsonl") == train
-    assert peer_training.read_vocab_counts(tmp_path)["all"][9] == 2
+    assert read_jsonl(tmp_path / "data" / "train.jsonl") == train
+    assert read_vocab_counts(tmp_path)["all"][9] == 2
     sp = tmp_path / "speculators"
     ds = datasets.load_from_disk(str(sp))
     assert len(ds) == 3 and ds.format["type"] == "torch"
@@ -238,32 +237,30 @@ print("ok")
 
 
 def test_an_ablation_is_a_draftsmith_run_with_recipe_overrides(tmp_path):
-    name, overrides = peer_training.parse_ablation("lr:optim.lr=1e-4, trainer.batch_size=1")
+    name, overrides = common.parse_ablation("lr:optim.lr=1e-4, trainer.batch_size=1")
     assert (name, overrides) == ("draftsmith-lr", ["optim.lr=1e-4", "trainer.batch_size=1"])
-    cmd = peer_training.train_command(name, tmp_path, {}, overrides)
+    cmd = training.train_command(name, tmp_path, {}, overrides)
     assert cmd[1].endswith("draftsmith_run.py") and cmd[0] == sys.executable
     assert cmd[-4:] == ["--override", "optim.lr=1e-4", "--override", "trainer.batch_size=1"]
     assert str(tmp_path / "runs" / "draftsmith-lr") in cmd
     for bad in ("lr", "lr:", ":optim.lr=1", "lr:optim.lr"):
         with pytest.raises(ValueError, match="NAME:KEY=VALUE"):
-            peer_training.parse_ablation(bad)
+            common.parse_ablation(bad)
 
 
 def test_a_setting_is_any_pipelines_run_with_its_own_overrides(tmp_path):
-    name, overrides = peer_training.parse_setting(
+    name, overrides = common.parse_setting(
         "specforge-lr3e4:training.learning_rate=3e-4,training.batch_size=2"
     )
     assert (name, overrides) == ("specforge-lr3e4", ["training.learning_rate=3e-4", "training.batch_size=2"])
-    cmd = peer_training.train_command(name, tmp_path, {}, overrides)
-    assert cmd[0] == str(peer_training.peer_python("specforge")) and cmd[1].endswith("specforge_run.py")
+    cmd = training.train_command(name, tmp_path, {}, overrides)
+    assert cmd[0] == str(common.peer_python("specforge")) and cmd[1].endswith("specforge_run.py")
     assert cmd[-4:] == ["--override", "training.learning_rate=3e-4", "--override", "training.batch_size=2"]
     assert str(tmp_path / "runs" / "specforge-lr3e4") in cmd
-    assert peer_training.parse_ablation("lr:optim.lr=1e-4") == peer_training.parse_setting(
-        "draftsmith-lr:optim.lr=1e-4"
-    )
+    assert common.parse_ablation("lr:optim.lr=1e-4") == common.parse_setting("draftsmith-lr:optim.lr=1e-4")
     for bad in ("sglang-x:lr=1", "specforge:training.learning_rate=1", "specforge-x", "speculators-x:lr"):
         with pytest.raises(ValueError, match="PIPELINE-NAME:KEY=VALUE"):
-            peer_training.parse_setting(bad)
+            common.parse_setting(bad)
 
 
 def test_a_sweep_keeps_its_finished_runs_and_trains_the_rest(tmp_path, monkeypatch):
@@ -276,7 +273,7 @@ def test_a_sweep_keeps_its_finished_runs_and_trains_the_rest(tmp_path, monkeypat
         trained.append(run)
         return {"returncode": 0, "wall_s": 1.0, "cpu_s": 1.0, "head": str(tmp_path)}
 
-    monkeypatch.setattr(peer_training, "run_timed", fake_run)
+    monkeypatch.setattr(training, "run_timed", fake_run)
     budget = {"train": {"positions": 100, "loss_tokens": 50}}
     head = tmp_path / "head"
     head.mkdir()
@@ -288,9 +285,9 @@ def test_a_sweep_keeps_its_finished_runs_and_trains_the_rest(tmp_path, monkeypat
     runs = {
         name: ["optim.lr=1e-4"] for name in ("draftsmith-a", "draftsmith-b", "draftsmith-c", "draftsmith-d")
     }
-    peer_training.stage_train(tmp_path, [], budget, results, ablations=runs)
+    training.stage_train(tmp_path, [], budget, results, ablations=runs)
     assert trained == ["draftsmith-b", "draftsmith-c", "draftsmith-d"]
-    peer_training.stage_train(tmp_path, [], budget, results, ablations={"draftsmith-a": []}, rerun=True)
+    training.stage_train(tmp_path, [], budget, results, ablations={"draftsmith-a": []}, rerun=True)
     assert trained[-1] == "draftsmith-a"
 
 
@@ -318,15 +315,15 @@ def test_each_run_of_a_sweep_is_judged_on_the_heldout_rows_once_right_after_it_t
             "head": str(head),
         }
 
-    monkeypatch.setattr(peer_training, "run_timed", fake_run)
+    monkeypatch.setattr(training, "run_timed", fake_run)
     budget = {"train": {"positions": 100, "loss_tokens": 50}}
     results = {"draftsmith-kept": {"returncode": 0, "head": str(head)}}
     runs = {"draftsmith-new": ["optim.lr=1e-4"], "draftsmith-bad": ["optim.lr=1e-4"]}
-    peer_training.stage_train(tmp_path, [], budget, results, ablations=runs, judge=True)
+    training.stage_train(tmp_path, [], budget, results, ablations=runs, judge=True)
     assert results["draftsmith-new"]["judge"]["tau"] == 1.5
     assert "judge" not in results["draftsmith-bad"] and "judge" not in results["draftsmith-kept"]
-    peer_training.judge_missing(tmp_path, results)
-    peer_training.judge_missing(tmp_path, results)
+    training.judge_missing(tmp_path, results)
+    training.judge_missing(tmp_path, results)
     judged = [Path(c[c.index("--out") + 1]).stem for c in calls if Path(c[1]).name == "heldout_tau.py"]
     assert judged == ["draftsmith-new", "draftsmith-kept"]
 
@@ -378,7 +375,7 @@ except SystemExit as e:
 def test_each_peer_takes_a_seed_in_its_own_words():
     """The seed key bench/peer_training.py gives each pipeline reaches the peer's config (ModelOpt's recipe has
     none: its driver takes ``seed`` for the draft's initialisation and the Trainer's data order)."""
-    assert set(peer_training.SEED_KEYS) == set(peer_training.RUNS)
+    assert set(common.SEED_KEYS) == set(common.RUNS)
     specforge = """
 from driver import set_dotted
 from specforge.config.schema import Config
@@ -388,7 +385,7 @@ set_dotted(run, "training.seed", "2")
 print(Config.model_validate(run).training.seed)
 """
     assert run_in_peer("specforge", specforge).split()[-2:] == [
-        str(peer_training.DEFAULT_SEEDS["specforge"]),
+        str(common.DEFAULT_SEEDS["specforge"]),
         "2",
     ]
     speculators = """
@@ -400,7 +397,7 @@ sys.argv += ["--seed", "2"]
 print(TrainConfig.resolve().flatten()["seed"])
 """
     assert run_in_peer("speculators", speculators).split()[-2:] == [
-        str(peer_training.DEFAULT_SEEDS["speculators"]),
+        str(common.DEFAULT_SEEDS["speculators"]),
         "2",
     ]
     modelopt = """
@@ -435,7 +432,7 @@ assert row["hidden_states"].shape == (1, 5, {3 * H}) and row["input_ids"].tolist
 print("ok")
 """
     assert "ok" in run_in_peer("specforge", code)
-    cmd = peer_training.train_command("specforge", tmp_path, {"draft": "dflash"})
+    cmd = training.train_command("specforge", tmp_path, {"draft": "dflash"})
     assert cmd[-2:] == ["--draft", "dflash"] and cmd[1].endswith("specforge_run.py")
 
 
@@ -467,12 +464,10 @@ def test_the_stand_in_capture_is_what_draftsmith_trains_on():
 
 
 def test_a_runs_seed_is_its_own_seed_override_in_any_pipelines_words():
-    assert peer_training.run_seed(["training.seed=2", "training.learning_rate=1e-3"]) == 2
-    assert peer_training.run_seed(["seed=1"]) == 1 and peer_training.run_seed(["trainer.seed=3"]) == 3
-    assert peer_training.run_seed(["optim.lr=1e-4"]) == peer_training.quickstart_seed()
-    assert (
-        peer_training.run_seed([], "specforge") == 42 and peer_training.run_seed(["seed=2"], "modelopt") == 2
-    )
+    assert common.run_seed(["training.seed=2", "training.learning_rate=1e-3"]) == 2
+    assert common.run_seed(["seed=1"]) == 1 and common.run_seed(["trainer.seed=3"]) == 3
+    assert common.run_seed(["optim.lr=1e-4"]) == common.quickstart_seed()
+    assert common.run_seed([], "specforge") == 42 and common.run_seed(["seed=2"], "modelopt") == 2
 
 
 def test_a_runs_provenance_is_taken_as_it_starts(tmp_path, monkeypatch):
@@ -487,10 +482,10 @@ def test_a_runs_provenance_is_taken_as_it_starts(tmp_path, monkeypatch):
         head["commit"] = "b"  # a commit lands while the run trains
         return {"returncode": 0, "wall_s": 1.0, "cpu_s": 1.0, "head": str(tmp_path)}
 
-    monkeypatch.setattr(peer_training, "run_timed", fake_run)
+    monkeypatch.setattr(training, "run_timed", fake_run)
     results = {}
     budget = {"train": {"positions": 100, "loss_tokens": 50}}
-    peer_training.stage_train(tmp_path, [], budget, results, ablations={"specforge-x": ["training.seed=3"]})
+    training.stage_train(tmp_path, [], budget, results, ablations={"specforge-x": ["training.seed=3"]})
     assert results["specforge-x"]["provenance"] == {"commit": "a", "seed": 3}
 
 

@@ -4,8 +4,8 @@ reader where its venv exists)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -15,9 +15,9 @@ from draftsmith.train import peer_inputs
 from draftsmith.train.feature_cache import FeatureCache, collate_cached
 
 REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("step_like_for_like", REPO / "bench" / "step_like_for_like.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+sys.path.insert(0, str(REPO / "bench"))
+import step_like_for_like as bench  # noqa: E402
+from peerbench.data import write_jsonl  # noqa: E402
 
 LAYERS, FINAL = [0, 1, 2], 3  # a 4-layer target: the three captured layers and the last
 
@@ -69,8 +69,8 @@ def fake_bench_capture(root: Path) -> tuple[list[dict], list[dict]]:
     (target / "config.json").write_text(json.dumps({"num_hidden_layers": FINAL + 1}))
     data = root / "data"
     data.mkdir()
-    bench.peer_training.write_jsonl(data / "train.jsonl", train)
-    bench.peer_training.write_jsonl(data / "heldout.jsonl", heldout)
+    write_jsonl(data / "train.jsonl", train)
+    write_jsonl(data / "heldout.jsonl", heldout)
     (data / "vocab_counts.json").write_text(json.dumps({"all": {"10": 4}, "assistant": {"11": 3}}))
     budget = {"target_path": str(target), "max_length": 8, "batch_size": 2, "capture_layers": LAYERS,
               "draftsmith_steps": 9, "train": {}, "heldout": {}}  # fmt: skip
@@ -182,8 +182,8 @@ def test_draftsmith_trains_offline_on_the_written_cache_with_the_head_in_the_ste
     train, heldout = convs[:6], convs[6:]
     capture = tmp_path / "capture"
     (capture / "data").mkdir(parents=True)
-    bench.peer_training.write_jsonl(capture / "data" / "train.jsonl", train)
-    bench.peer_training.write_jsonl(capture / "data" / "heldout.jsonl", heldout)
+    write_jsonl(capture / "data" / "train.jsonl", train)
+    write_jsonl(capture / "data" / "heldout.jsonl", heldout)
     counts = {}
     for c in train:
         for t, m in zip(c["input_ids"], c["loss_mask"]):
