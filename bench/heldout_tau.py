@@ -49,7 +49,7 @@ from draftsmith.eval.report import hardware_description, write_json
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.train.config import load_config
 from draftsmith.train.corpus.tokens import pad_id_of
-from draftsmith.train.feature_cache import FeatureCache, collate_cached
+from draftsmith.train.feature_dataset import FeatureCache, collate_cached
 from draftsmith.train.loop import prepare_datasets
 from draftsmith.train.objective import decoding_walk
 from draftsmith.train.registry import build_objective

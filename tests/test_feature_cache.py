@@ -9,12 +9,8 @@ from test_loop import QUIET, Probe, conversations, make_config, tiny_target_dir 
 from tiny import tiny_target
 
 from draftsmith.train.corpus.tokens import build_dataset, collate
-from draftsmith.train.feature_cache import (
-    FeatureCache,
-    build_feature_cache,
-    bytes_per_token,
-    collate_cached,
-)
+from draftsmith.train.feature_cache import build_feature_cache, bytes_per_token
+from draftsmith.train.feature_dataset import FeatureCache, collate_cached
 from draftsmith.train.loop import train
 from draftsmith.train.teacher import compute_teacher
 

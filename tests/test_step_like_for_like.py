@@ -12,7 +12,7 @@ import torch
 from test_peer_training import H, fake_capture, run_in_peer
 
 from draftsmith.train import peer_inputs
-from draftsmith.train.feature_cache import FeatureCache, collate_cached
+from draftsmith.train.feature_dataset import FeatureCache, collate_cached
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))

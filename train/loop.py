@@ -57,12 +57,8 @@ from draftsmith.train.faults import (
     stop_on_signals,
     stopped_line,
 )
-from draftsmith.train.feature_cache import (
-    FeatureCache,
-    build_feature_cache,
-    collate_cached,
-    feature_cache_complete,
-)
+from draftsmith.train.feature_cache import build_feature_cache, feature_cache_complete
+from draftsmith.train.feature_dataset import FeatureCache, collate_cached
 from draftsmith.train.loggers import build_loggers, where
 from draftsmith.train.module import DraftModule
 from draftsmith.train.preflight import preflight, record_recipe_change

@@ -104,7 +104,7 @@ def main() -> int:
     counter = StepTokens()
     marks = record_steps()
     if args.offline:
-        from draftsmith.train.feature_cache import FeatureCache
+        from draftsmith.train.feature_dataset import FeatureCache
 
         steps = len(FeatureCache(args.offline / "train")) // config.trainer.batch_size  # whole batches
         # the target folder the capture ran (its final norm and LM head), not the recipe's own conversion of it
