@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"provenance": provenance(seed=quickstart_seed()), "cpu": cpu_name(),
               "capture": str(args.capture.resolve()), "lock": str(args.lock), "step_tokens": args.step_tokens,
               "budget": budget, "inputs_s": time.perf_counter() - start, "offline": {}, "online": {},
-              "rate": "steady only: peer_training.throughput between optimizer-step marks, the first steps "
+              "rate": "steady only: peerbench.training.throughput between optimizer-step marks, the first steps "
                       "skipped (steady.skipped); no whole-run rate"}  # fmt: skip
 
     def save() -> None:
