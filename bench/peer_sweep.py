@@ -58,6 +58,17 @@ def choose(train: dict, named: list[str] = ()) -> dict[str, str]:
     return chosen
 
 
+def only(chosen: dict[str, str], pipelines: list[str]) -> dict[str, str]:
+    """The chosen runs of ``pipelines`` in that order (all of them when none is named)."""
+    unknown = [p for p in pipelines if p not in chosen]
+    if unknown:
+        raise SystemExit(
+            f"--pipelines {' '.join(unknown)}: no judged run of it in the record (pipelines with one: "
+            f"{', '.join(chosen)})"
+        )
+    return {p: chosen[p] for p in pipelines} if pipelines else chosen
+
+
 def replicate(run: str, seed: int) -> str:
     return f"{run}-seed{seed}"
 
@@ -148,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--choose", nargs="*", default=[], metavar="RUN",
                    help="take these runs as their pipelines' choice instead of the best held-out τ")  # fmt: skip
     p.add_argument("--stages", nargs="+", default=["seeds", "judge"], choices=("seeds", "judge"))
+    p.add_argument("--pipelines", nargs="+", default=[], metavar="PIPELINE",
+                   help="train these pipelines' seeds only, in this order (a long sweep in parts; the judge "
+                        "always takes every pipeline's)")  # fmt: skip
     p.add_argument("--limit", type=int, default=12, help="dev prompts")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--out", type=Path, default=Path("bench/results/peer_seeds_400k.json"))
@@ -176,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     members = groups(chosen)
     if "seeds" in args.stages:
         budget = json.loads((work / "data" / "budget.json").read_text())
-        stage_train(work, [], budget, train, save_record, seed_runs(train, chosen), judge=True)
+        stage_train(
+            work, [], budget, train, save_record, seed_runs(train, only(chosen, args.pipelines)), judge=True
+        )
     from draftsmith.eval.report import provenance
 
     out = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "record": str(args.record),

@@ -58,3 +58,11 @@ def test_the_summary_is_mean_and_spread_over_the_seeds_of_what_each_judge_gave()
     assert row["vllm_tau"] is None  # vLLM did not judge: no figure, not a zero
     assert row["llamacpp_tau_q4_1"] == {"mean": 2.0, "sd": None, "n": 1, "values": [2.0]}
     assert row["exact_match"] == [True, True, True]
+
+
+def test_a_sweep_in_parts_trains_the_named_pipelines_seeds_in_their_order():
+    chosen = peer_sweep.choose(TRAIN)
+    assert list(peer_sweep.only(chosen, ["draftsmith", "specforge"])) == ["draftsmith", "specforge"]
+    assert peer_sweep.only(chosen, []) == chosen
+    with pytest.raises(SystemExit, match="modelopt"):  # not judged yet: nothing to replicate
+        peer_sweep.only(chosen, ["modelopt"])
