@@ -52,6 +52,27 @@ def share(path: str | Path) -> Path:
     return path
 
 
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's data, or a directory's entries (a rename into it), to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(directory: str | Path) -> Path:
+    """fsync every file and folder under ``directory`` and the folder itself (deepest first), so that a
+    rename of it that reaches the disk brings whole files with it, not empty ones after a power cut."""
+    directory = Path(directory)
+    for root, _dirs, filenames in os.walk(directory, topdown=False):
+        for f in filenames:
+            if not os.path.islink(os.path.join(root, f)):
+                fsync_path(os.path.join(root, f))
+        fsync_path(root)
+    return directory
+
+
 def _tmp_name(path: Path) -> str:
     return f".{path.name}{TMP_TAG}"
 
@@ -99,7 +120,8 @@ def replace_dir(directory: str | Path, fill: Callable[[Path], object], keep_othe
     """Build a directory with ``fill(tmp_dir)`` and swap it in for ``directory`` (replacing an old one).
 
     The old directory is moved aside, the new one renamed into place, then the old one deleted: a
-    reader sees the old whole directory or the new whole one (or, for an instant, none). A directory
+    reader sees the old whole directory or the new whole one (or, for an instant, none), and every file is
+    on disk before the rename (``sync_tree``), the rename after it returns. A directory
     that cannot be renamed (a mount point: EBUSY, EXDEV) is filled in place instead, file by file, each
     file renamed into it whole, and what the new contents do not hold is removed from it. With
     ``keep_others`` the new directory records what ``fill`` wrote (``OWNED``), and entries of the old one
@@ -117,14 +139,17 @@ def replace_dir(directory: str | Path, fill: Callable[[Path], object], keep_othe
         if keep_others:
             (tmp / OWNED).write_text("".join(f"{p.name}\n" for p in sorted(tmp.iterdir())), encoding="utf-8")
         share(tmp)
+        sync_tree(tmp)
         if not mount:
             try:
                 _swap(directory, tmp, _others(directory, tmp) if keep_others else [])
+                fsync_path(directory.parent)
                 return directory
             except OSError as err:
                 if err.errno not in IN_PLACE_ERRORS:
                     raise
         _fill_in_place(directory, tmp, keep_others)
+        sync_tree(directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return directory

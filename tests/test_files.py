@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 from safetensors.torch import save_file
@@ -256,3 +257,57 @@ def test_a_mount_point_is_built_inside_not_on_the_file_system_beside_it(tmp_path
     seen = []
     files.replace_dir(volume, lambda d: seen.append(d.parent) or (d / "a.txt").write_text("a"))
     assert seen == [volume] and entries(tmp_path) == ["volume", "volume/a.txt"]
+
+
+def fsync_log(monkeypatch) -> list[tuple]:
+    """Every fsync (by the path its descriptor names) and rename, in order."""
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd)
+    )
+    monkeypatch.setattr(
+        os, "replace", lambda a, b: events.append(("rename", str(a), str(b))) or replace(a, b)
+    )
+    return events
+
+
+def test_a_folder_is_on_disk_before_its_rename_and_the_rename_after(tmp_path, monkeypatch):
+    events = fsync_log(monkeypatch)
+    out = tmp_path / "export"
+
+    def fill(tmp):
+        (tmp / "sub").mkdir()
+        (tmp / "config.json").write_text("{}")
+        (tmp / "sub" / "model.safetensors").write_bytes(b"x" * 10)
+
+    files.replace_dir(out, fill)
+    rename = next(i for i, e in enumerate(events) if e[0] == "rename" and e[2] == str(out))
+    tmp = events[rename][1]
+    synced_before = {e[1] for e in events[:rename] if e[0] == "fsync"}
+    assert {f"{tmp}/config.json", f"{tmp}/sub/model.safetensors", f"{tmp}/sub", tmp} <= synced_before
+    assert ("fsync", str(tmp_path)) in events[rename:]
+
+
+def test_a_deepspeed_checkpoint_folder_is_on_disk_before_rank_zero_renames_it(tmp_path, monkeypatch):
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    from draftsmith.train import distributed
+
+    def save(self, checkpoint, path, storage_options=None):  # what DeepSpeed writes: a folder of shards
+        (Path(path) / "checkpoint").mkdir(parents=True)
+        (Path(path) / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"w" * 8)
+
+    monkeypatch.setattr(DeepSpeedStrategy, "__init__", lambda self, **kw: None)
+    monkeypatch.setattr(DeepSpeedStrategy, "save_checkpoint", save)
+    monkeypatch.setattr(DeepSpeedStrategy, "barrier", lambda self, name=None: None)
+    monkeypatch.setattr(DeepSpeedStrategy, "is_global_zero", property(lambda self: True))
+    strategy = distributed._atomic_deepspeed("deepspeed_stage_2")
+    events = fsync_log(monkeypatch)
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    path.parent.mkdir()
+    strategy.save_checkpoint({}, path)
+    tmp = str(path.with_name(f".{path.name}.tmp"))
+    rename = events.index(("rename", tmp, str(path)))
+    assert ("fsync", f"{tmp}/checkpoint/mp_rank_00_model_states.pt") in events[:rename]
+    assert ("fsync", str(path.parent)) in events[rename:]
+    assert (path / "checkpoint" / "mp_rank_00_model_states.pt").read_bytes() == b"w" * 8

@@ -12,7 +12,6 @@ Checkpoints leave out the draft's frozen copies of the target's weights (an 8B t
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -36,24 +35,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         write_durably(path, lambda tmp: torch.save(checkpoint, tmp))
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_durably(path: str | Path, write) -> Path:
     """``files.write_with`` with the data on disk before the rename (the file fsynced) and the rename on
     disk before returning (the folder fsynced)."""
 
     def write_synced(tmp: Path) -> None:
         write(tmp)
-        _fsync(tmp)
+        files.fsync_path(tmp)
 
     path = files.write_with(path, write_synced)
-    _fsync(path.parent)
+    files.fsync_path(path.parent)
     return path
 
 

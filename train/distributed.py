@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from draftsmith import files
 from draftsmith.train.schema import TrainConfig, TrainerConfig
 
 DEEPSPEED_INSTALL = "pip install 'draftsmith[deepspeed]'"
@@ -201,6 +202,7 @@ def _atomic_deepspeed(name: str):
                 shutil.rmtree(tmp)
             self.barrier("atomic_deepspeed_pre")
             super().save_checkpoint(checkpoint, tmp, storage_options)
+            files.sync_tree(tmp)  # each rank what it sees (its own shards on a node's disk): on disk first
             self.barrier("atomic_deepspeed_post")
             if self.is_global_zero:
                 old = path.with_name(f".{path.name}.old")
@@ -208,6 +210,7 @@ def _atomic_deepspeed(name: str):
                     shutil.rmtree(old, ignore_errors=True)
                     os.replace(path, old)
                 os.replace(tmp, path)
+                files.fsync_path(path.parent)
                 shutil.rmtree(old, ignore_errors=True)
             self.barrier("atomic_deepspeed_done")
 
