@@ -10,7 +10,8 @@ takes that record (--record) and:
            peerbench.common.SEED_KEYS), beside the chosen run at the pipeline's default seed, trained into the
            same record (resumable: a finished run is kept)
   judge    one run of bench/vllm_engine.py over all the heads: draftsmith's decoder (one interleaved evaluate,
-           float32, greedy, k 5, dev prompts round-robin) and vLLM serving each head's export (batch 1 and 16;
+           float32, greedy, k 5, dev prompts round-robin) and vLLM serving each head (batch 1 and 16; draftsmith's
+           export of it, or the folder the peer wrote where that layout cannot carry its EAGLE-3 variant;
            skipped, saying so, where vLLM is not installed), then llama.cpp
            (peerbench.evaluation.stage_llamacpp: Q4_1 and F32 targets, k 5)
   summary  per pipeline, mean ± standard deviation over the three seeds: held-out τ, dev τ and speedup in
@@ -114,6 +115,7 @@ def summarise(train: dict, members: dict[str, list[str]], judged: dict) -> dict:
     engines = judged.get("engines") or {}
     ours, served = engines.get("draftsmith") or {}, engines.get("vllm") or {}
     llama = (judged.get("llamacpp") or {}).get("rows") or {}
+    exports = (judged.get("llamacpp") or {}).get("exports") or {}
     out = {}
     for pipeline, runs in members.items():
         rows = {
@@ -127,8 +129,11 @@ def summarise(train: dict, members: dict[str, list[str]], judged: dict) -> dict:
             "llamacpp_tau_f32": [llama.get(f"f32:{r}", {}).get("tau") for r in runs],
         }
         exact = [ours.get(f"eagle3:{r}", {}).get("exact_match") for r in runs]
+        refused = {r: e["tail"].strip().splitlines()[-1] for r in runs
+                   if (e := exports.get(r)) and e.get("returncode") and e.get("tail", "").strip()}  # fmt: skip
         out[pipeline] = {"runs": runs, "setting": train[runs[0]].get("overrides") or [],
-                         "exact_match": exact, **{k: mean_sd(v) for k, v in rows.items()}}  # fmt: skip
+                         "exact_match": exact, "llamacpp_refused": refused,
+                         **{k: mean_sd(v) for k, v in rows.items()}}  # fmt: skip
     return out
 
 

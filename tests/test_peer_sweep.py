@@ -50,14 +50,18 @@ def test_the_summary_is_mean_and_spread_over_the_seeds_of_what_each_judge_gave()
             for r, t in zip(members["draftsmith"], (1.2, 1.3, 1.4))}  # fmt: skip
     judged = {
         "engines": {"draftsmith": ours, "vllm": {}},
-        "llamacpp": {"rows": {"q4_1:draftsmith": {"tau": 2.0}}},
-    }
+        "llamacpp": {"rows": {"q4_1:draftsmith": {"tau": 2.0}},
+                     "exports": {"draftsmith": {"returncode": 0, "tail": "wrote it"},
+                                 "draftsmith-seed1": {"returncode": 2, "tail": "...\nerror: norm_output\n"}}},
+    }  # fmt: skip
     row = peer_sweep.summarise(train, members, judged)["draftsmith"]
     assert row["heldout_tau"]["mean"] == pytest.approx(1.6) and row["heldout_tau"]["sd"] == pytest.approx(0.1)
     assert row["dev_tau"]["mean"] == pytest.approx(1.3) and row["dev_speedup"]["sd"] == pytest.approx(0.0)
     assert row["vllm_tau"] is None  # vLLM did not judge: no figure, not a zero
     assert row["llamacpp_tau_q4_1"] == {"mean": 2.0, "sd": None, "n": 1, "values": [2.0]}
     assert row["exact_match"] == [True, True, True]
+    # why llama.cpp has no figure for a head it cannot run
+    assert row["llamacpp_refused"] == {"draftsmith-seed1": "error: norm_output"}
 
 
 def test_a_sweep_in_parts_trains_the_named_pipelines_seeds_in_their_order():
