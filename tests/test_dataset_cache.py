@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from test_loop import conversations, make_config  # noqa: F401 (fixture)
 from tiny import CHATML, tiny_tokenizer
 
 import draftsmith.train.corpus.tokens as tokens
 from draftsmith.train.corpus.dataset_cache import cached_dataset
+from draftsmith.train.corpus.tokens import collate
 from draftsmith.train.loop import prepare_datasets
 
 
@@ -70,6 +72,17 @@ def test_rows_from_the_cache_equal_a_fresh_render(conversations, tmp_path):  # n
     for pack in (False, True):
         cached = load(tmp_path / "cache", [conversations], tok, pack=pack)
         assert cached.to_list() == build_with([conversations], tok, pack=pack)().to_list()
+
+
+def test_the_cache_stores_a_token_in_nine_bytes_not_twenty_four(conversations, tmp_path):  # noqa: F811
+    """Token ids and positions as int32 and the mask as int8, where Arrow's default for Python ints is int64:
+    at 8B-70B scale a billion training tokens are 9 GB of cache instead of 24."""
+    tok = tiny_tokenizer()
+    widths = {"input_ids": "int32", "loss_mask": "int8", "position_ids": "int32"}
+    for pack, columns in ((False, ("input_ids", "loss_mask")), (True, tuple(widths))):
+        rows = load(tmp_path / "cache", [conversations], tok, pack=pack)
+        assert {name: rows.features[name].feature.dtype for name in columns} == {c: widths[c] for c in columns}
+        assert collate([rows[0]], pad_id=0).input_ids.dtype == torch.long  # widened where the model reads it
 
 
 def test_a_changed_setting_template_or_data_is_a_new_entry(conversations, tmp_path, renders):  # noqa: F811
