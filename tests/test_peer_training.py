@@ -248,6 +248,18 @@ def test_an_ablation_is_a_draftsmith_run_with_recipe_overrides(tmp_path):
             common.parse_ablation(bad)
 
 
+def test_draftsmiths_steps_see_the_budgets_rows_or_one_conversation_each():
+    sys.path.insert(0, str(REPO / "bench" / "peers"))
+    from draftsmith_run import online_steps
+
+    budget = {"draftsmith_steps": 203, "batch_size": 4, "train": {"conversations": 1927}}
+    assert online_steps(True, 4, budget) == 203  # the recipe: 812 packed rows, 4 a step
+    assert online_steps(True, 1, budget) == 812  # the same rows, one a step
+    assert online_steps(True, 3, budget) == 271  # a last, partial batch is a step
+    assert online_steps(False, 1, budget) == 1927  # unpacked: a conversation a row, as many as the peers
+    assert online_steps(False, 4, budget) == 482
+
+
 def test_a_setting_is_any_pipelines_run_with_its_own_overrides(tmp_path):
     name, overrides = common.parse_setting(
         "specforge-lr3e4:training.learning_rate=3e-4,training.batch_size=2"

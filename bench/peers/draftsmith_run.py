@@ -8,7 +8,10 @@ peers, in the same order), ``trainer.max_time=null`` (the budget, not the clock,
 the output folder. Everything else is the quickstart recipe (online: the target runs in every step).
 
 ``--override KEY=VALUE`` (repeatable) changes the recipe for an ablation (``optim.lr=1e-4``, ...).
-With another ``trainer.batch_size`` the run takes as many steps as see the same number of rows.
+With another ``trainer.batch_size`` the run takes as many steps as see the same number of rows; with
+``data.pack=false`` one conversation a row, as many as the peers get, each pipeline's unit of a step
+(``online_steps``). Those are the first conversations of draftsmith's own shuffle, a sample of the same
+pool as the peers' (the ones packed into the rows above), not the very same conversations.
 ``--draft dflash``: the quickstart recipe with its ``draft`` section replaced by a DFlash draft (one layer,
 block size 8, DFlash's defaults otherwise: ``train/peer_inputs.draftsmith_dflash_draft``), written beside
 the run as ``recipe.yaml``; the rest of the recipe (data, optimizer, schedule, batch) as it is.
@@ -93,6 +96,14 @@ def train_from_cache(config, cache: Path, work: Path, callbacks: list) -> tuple[
     return trainer.global_step, {**val, "precision": config.trainer.precision, "target_dtype": tc.dtype}
 
 
+def online_steps(pack: bool, batch_size: int, budget: dict) -> int:
+    """Optimizer steps of an online run at the bench's budget: packed rows, as many as the bench gave the peers
+    the conversations of (its ``draftsmith_steps`` at its ``batch_size``), at this run's batch size; unpacked
+    (``data.pack=false``), one conversation a row, as many conversations as the peers train on."""
+    rows = budget["draftsmith_steps"] * budget["batch_size"] if pack else budget["train"]["conversations"]
+    return -(-rows // batch_size)
+
+
 def main() -> int:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
@@ -116,8 +127,7 @@ def main() -> int:
         taken, heldout = train_from_cache(config, args.offline, args.work, [counter])
         head = args.out / "run" / "draft"
     else:
-        rows = budget["draftsmith_steps"] * budget["batch_size"]
-        steps = -(-rows // config.trainer.batch_size)
+        steps = online_steps(config.data.pack, config.trainer.batch_size, budget)
         overrides = [*ablation, f"--trainer.max_steps={steps}", "--trainer.max_time=null",
                      f"--output.dir={args.out / 'run'}"]  # fmt: skip
         config = load_config(base, overrides)
