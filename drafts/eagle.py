@@ -276,8 +276,9 @@ class EagleHead(PreTrainedModel):
     # -- set-up from the target ------------------------------------------------------------------
 
     @torch.no_grad()
-    def init_from_target(self, model: nn.Module) -> None:
-        """Start from the target's own output side: copy its token embeddings, final norm and LM head.
+    def init_from_target(self, model: nn.Module) -> bool:
+        """Start from the target's own output side: copy its token embeddings, final norm and LM head;
+        returns whether the LM head is the target's (False: EAGLE-3's fresh one, see below).
 
         EAGLE-1 reuses them frozen. EAGLE-3 starts its own norm and LM head from the target's (the LM
         head's rows at ``d2t``, so install the vocab map first): the head then begins as "whatever
@@ -298,6 +299,7 @@ class EagleHead(PreTrainedModel):
             self.lm_head.weight.copy_(model.get_output_embeddings().weight[self.d2t])
         if self.config.parallel:  # unit-scale, as the peers start it; zeros would sit at hidden_norm's pole
             self.mask_hidden.normal_()
+        return copied_norm
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the draft→target id map from ``build_vocab_map`` (EAGLE-3)."""

@@ -322,3 +322,24 @@ def test_shrink_vocab_keeps_the_most_frequent_rows_and_stays_lossless(target, ba
     eagle1 = objective_for(target, "eagle1").build_draft()
     with pytest.raises(ValueError, match="EAGLE-3 head"):
         shrink_head_vocab(eagle1, counts, 10)
+
+
+def test_a_frozen_lm_head_stays_the_targets_rows_while_the_rest_trains(target, batch, monkeypatch):
+    """``freeze_lm_head`` (speculators' way): the head's readout is the target's LM head at the draft
+    vocabulary before and after training, and is no parameter the optimizer sees; the rest of the head trains.
+    Without it the readout trains too. A target whose readout the head cannot copy is refused."""
+    objective = objective_for(target, "eagle3", batch, ttt_steps=2, freeze_lm_head=True)
+    teacher = make_teacher(target, batch, objective.capture_layers, objective.teacher_topk)
+    rows = target.model.get_output_embeddings().weight.detach()
+    start = objective.build_draft()
+    assert not start.lm_head.weight.requires_grad and start.fuse_features.weight.requires_grad
+    assert torch.equal(start.lm_head.weight, rows[start.d2t])
+    head, losses, _ = train(objective, batch, teacher, steps=10)
+    assert torch.equal(head.lm_head.weight, rows[head.d2t])
+    assert not torch.equal(head.fuse_features.weight, start.fuse_features.weight) and losses[-1] < losses[0]
+    trained, _, _ = train(objective_for(target, "eagle3", batch, ttt_steps=2), batch, teacher, steps=10)
+    assert not torch.equal(trained.lm_head.weight, rows[trained.d2t])
+
+    monkeypatch.setattr("draftsmith.drafts.eagle.copy_final_norm", lambda model, norm: False)
+    with pytest.raises(ValueError, match="freeze_lm_head: false"):
+        objective_for(target, "eagle3", batch, freeze_lm_head=True).build_draft()

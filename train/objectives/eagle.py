@@ -77,6 +77,9 @@ class EagleOptions:
     init_from: str | None = None
     """A head directory saved by `draftsmith train` to continue from (its shape, layers and draft vocabulary
     are kept)."""
+    freeze_lm_head: bool = False
+    """EAGLE-3: keep the LM head as it starts, the target's own rows at the draft vocabulary (or the continued
+    head's), instead of training it; speculators trains its heads so. EAGLE-1's is always the target's."""
 
 
 @dataclass(config=SECTION)
@@ -160,8 +163,10 @@ class EagleObjective(Objective):
         feature_weight: float = 1.0,
         token_weight: float = 0.1,
         init_from: str | None = None,
+        freeze_lm_head: bool = False,
     ):
         """``feature_weight`` / ``token_weight`` weigh EAGLE-1's smooth-L1 and CE terms (EAGLE-1's 1.0 / 0.1).
+        ``freeze_lm_head``: the LM head is not trained (``EagleOptions.freeze_lm_head``).
 
         ``init_from``: a head directory saved by ``draftsmith train`` to continue from (fine-tuning, e.g.
         on the target's own regenerated answers). Its shape, capture layers and draft vocabulary are
@@ -196,6 +201,7 @@ class EagleObjective(Objective):
         self.teacher_topk = int(teacher_topk)
         self.step_weights = [step_decay**j for j in range(steps)]
         self.feature_weight, self.token_weight = feature_weight, token_weight
+        self.freeze_lm_head = bool(freeze_lm_head)
         self.vocab_map = None
         reduced = preset == EAGLE3 and self.config.draft_vocab_size < self.config.vocab_size
         if reduced and self.init_head is None:  # a loaded head brings its own vocabulary map
@@ -220,11 +226,24 @@ class EagleObjective(Objective):
             head = copy.deepcopy(self.init_head).train()  # from_pretrained returns eval mode
             head.freeze_target_copies()  # loading made every parameter trainable again
             head.config = copy.deepcopy(self.config)  # this run's ttt_steps
-            return head
+            return self._freeze_head(head, True)
         head = EagleHead(copy.deepcopy(self.config))
         if self.vocab_map is not None:
             head.set_vocab_map(*self.vocab_map)
-        head.init_from_target(self.target.model)
+        return self._freeze_head(head, head.init_from_target(self.target.model))
+
+    def _freeze_head(self, head: EagleHead, head_is_set: bool) -> EagleHead:
+        """``head`` with its LM head frozen where ``freeze_lm_head`` asks (``head_is_set``: it holds the
+        target's rows or a continued head's, not a fresh initialisation)."""
+        if not self.freeze_lm_head or head.config.lm_head_is_embedding:
+            return head
+        if not head_is_set:
+            raise ValueError(
+                f"draft.options.freeze_lm_head keeps the LM head the target's, but "
+                f"{type(self.target.model).__name__}'s final norm is not an RMSNorm the head can reproduce, so "
+                "its LM head starts fresh and must train: set freeze_lm_head: false"
+            )
+        head.lm_head.requires_grad_(False)
         return head
 
     def loss(self, draft: nn.Module, batch: Batch, teacher: Teacher) -> dict[str, torch.Tensor]:
