@@ -24,12 +24,17 @@ from draftsmith.train.objective import Batch
 
 logger = logging.getLogger(__name__)
 
-ROW_FEATURES = datasets.Features(
-    {"input_ids": datasets.List(datasets.Value("int32")), "loss_mask": datasets.List(datasets.Value("int8"))}
+ROW_FEATURES = datasets.Features(  # Sequence, not List: datasets 3.x (pyproject allows it) has no List
+    {
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+    }
 )
 """How rendered rows are stored: a token id in 4 bytes and its mask in 1, where Arrow's default for Python ints
 (int64) takes 16 bytes a token for the two; the dataset cache and a memory-mapped read keep that size."""
-PACKED_FEATURES = datasets.Features({**ROW_FEATURES, "position_ids": datasets.List(datasets.Value("int32"))})
+PACKED_FEATURES = datasets.Features(
+    {**ROW_FEATURES, "position_ids": datasets.Sequence(datasets.Value("int32"))}
+)
 """.. and packed rows' positions in 4 bytes as well (9 bytes a token instead of 24)."""
 
 
