@@ -79,7 +79,7 @@ def seed_runs(train: dict, chosen: dict[str, str]) -> dict[str, list[str]]:
     runs = {}
     for pipeline, run in chosen.items():
         overrides = list(train[run].get("overrides") or [])
-        runs[run] = overrides  # trained again only if its head is gone
+        runs[run] = overrides  # trained again only if its record does not stand (or --retrain names it)
         for seed in SEEDS:
             runs[replicate(run, seed)] = [*overrides, f"{SEED_KEYS[pipeline]}={seed}"]
     return runs
@@ -167,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pipelines", nargs="+", default=[], metavar="PIPELINE",
                    help="train these pipelines' seeds only, in this order (a long sweep in parts; the judge "
                         "always takes every pipeline's)")  # fmt: skip
+    p.add_argument("--retrain", nargs="+", default=[], metavar="RUN",
+                   help="train these seeds-stage runs again though their records stand (judged, their heads gone "
+                        "with another machine's work folder), so the judge has their heads; the earlier "
+                        "records are kept under 'earlier'")  # fmt: skip
+    p.add_argument("--partial", action="store_true",
+                   help="judge the runs whose heads are here and say which are not (each figure's n says how "
+                        "many seeds it averages), instead of refusing")  # fmt: skip
     p.add_argument("--limit", type=int, default=12, help="dev prompts")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--out", type=Path, default=Path("bench/results/peer_seeds_400k.json"))
@@ -193,11 +200,15 @@ def main(argv: list[str] | None = None) -> int:
         tmp.replace(args.record)
 
     members = groups(chosen)
+    strays = [run for run in args.retrain if not any(run in runs for runs in members.values())]
+    if strays:
+        raise SystemExit(f"--retrain {' '.join(strays)}: not a seeds-stage run (those: "
+                         f"{', '.join(run for runs in members.values() for run in runs)})")  # fmt: skip
     if "seeds" in args.stages:
         budget = json.loads((work / "data" / "budget.json").read_text())
-        stage_train(
-            work, [], budget, train, save_record, seed_runs(train, only(chosen, args.pipelines)), judge=True
-        )
+        runs = seed_runs(train, only(chosen, args.pipelines))
+        runs |= {run: seed_runs(train, chosen)[run] for run in args.retrain}
+        stage_train(work, [], budget, train, save_record, runs, rerun=set(args.retrain), judge=True)
     from draftsmith.eval.report import provenance
 
     out = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "record": str(args.record),
@@ -209,10 +220,17 @@ def main(argv: list[str] | None = None) -> int:
             run: train[run]["head"] for runs in members.values() for run in runs if finished(train.get(run))
         }
         missing = [run for runs in members.values() for run in runs if run not in heads]
-        if missing:
-            raise SystemExit(f"no head for {', '.join(missing)}: run the seeds stage first")
+        if missing and not (args.partial and heads):
+            raise SystemExit(
+                f"no head for {', '.join(missing)}: run the seeds stage first (a run judged on another machine "
+                "keeps its record but not its head: --retrain RUN trains it here), or judge the heads here with "
+                "--partial"
+            )
         judged_file = args.out.with_name(args.out.stem + "_engines.json")
         out["judged"] = judge(work, heads, judged_file, args.limit, args.max_new_tokens)
+        out["not_judged"] = {
+            run: "no head here (its record stands from another work folder)" for run in missing
+        }
     out["summary"] = summarise(train, members, out.get("judged") or {})
     args.out.write_text(json.dumps(out, indent=1, default=str))
     print_summary(train, chosen, out["summary"])

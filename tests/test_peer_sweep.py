@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -70,3 +71,37 @@ def test_a_sweep_in_parts_trains_the_named_pipelines_seeds_in_their_order():
     assert peer_sweep.only(chosen, []) == chosen
     with pytest.raises(SystemExit, match="modelopt"):  # not judged yet: nothing to replicate
         peer_sweep.only(chosen, ["modelopt"])
+
+
+def test_the_judge_refuses_missing_heads_unless_partial_and_retrain_names_only_seed_runs(
+    tmp_path, monkeypatch
+):
+    """A record carried from another machine holds judged runs without heads: the judge says which and how to go
+    on (--retrain or --partial) instead of judging a subset silently; --retrain takes only the seeds-stage runs."""
+    record = tmp_path / "record.json"
+    head = tmp_path / "head"
+    head.mkdir()
+    train = {"draftsmith": {**run(1.6), "head": str(head)}, "draftsmith-seed1": {**run(1.7), "head": "gone"},
+             "draftsmith-seed2": {**run(1.65), "head": str(head)}}  # fmt: skip
+    record.write_text(json.dumps({"train": train}))
+    args = [
+        "--record",
+        str(record),
+        "--work",
+        str(tmp_path),
+        "--stages",
+        "judge",
+        "--out",
+        str(tmp_path / "o.json"),
+    ]
+    with pytest.raises(SystemExit, match="no head for draftsmith-seed1.*--retrain RUN.*--partial"):
+        peer_sweep.main(args)
+    with pytest.raises(SystemExit, match="--retrain draftsmith-lr5e4: not a seeds-stage run"):
+        peer_sweep.main([*args, "--retrain", "draftsmith-lr5e4"])
+    judged = {}
+    monkeypatch.setattr(peer_sweep, "judge", lambda work, heads, *a: judged.update(heads) or {})
+    assert peer_sweep.main([*args, "--partial"]) == 0
+    assert sorted(judged) == ["draftsmith", "draftsmith-seed2"]
+    out = json.loads((tmp_path / "o.json").read_text())
+    assert list(out["not_judged"]) == ["draftsmith-seed1"]
+    assert out["summary"]["draftsmith"]["heldout_tau"]["n"] == 3  # held-out τ stands for all three

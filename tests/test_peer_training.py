@@ -303,6 +303,36 @@ def test_a_sweep_keeps_its_finished_runs_and_trains_the_rest(tmp_path, monkeypat
     assert trained[-1] == "draftsmith-a"
 
 
+def test_a_judged_run_whose_head_is_gone_stands_and_a_retrained_one_keeps_its_earlier_record(
+    tmp_path, monkeypatch
+):
+    """A sweep's record goes on from another machine's: a run judged there (its head gone with that work folder)
+    is not trained again and its figures are not replaced; one named to train again (for a head to judge here)
+    trains, its earlier records kept under 'earlier'."""
+    trained = []
+
+    def fake_run(cmd, log, env):
+        trained.append(Path(cmd[cmd.index("--out") + 1]).name)
+        return {"returncode": 0, "wall_s": 2.0, "cpu_s": 2.0, "head": str(tmp_path)}
+
+    monkeypatch.setattr(training, "run_timed", fake_run)
+    budget = {"train": {"positions": 100, "loss_tokens": 50}}
+    gone = str(tmp_path / "gone")
+    there = {"returncode": 0, "head": gone, "judge": {"tau": 1.7}, "wall_s": 9.0}
+    results = {"draftsmith-a": dict(there), "draftsmith-b": dict(there),
+               "draftsmith-c": {"returncode": 0, "head": gone}}  # fmt: skip
+    runs = {name: [] for name in results}
+    training.stage_train(tmp_path, [], budget, results, ablations=runs)
+    assert trained == ["draftsmith-c"]  # judged ones stand; an unjudged one whose head is gone trains
+    assert results["draftsmith-a"] == there
+    training.stage_train(tmp_path, [], budget, results, ablations=runs, rerun={"draftsmith-b"})
+    assert trained == ["draftsmith-c", "draftsmith-b"]
+    assert results["draftsmith-b"]["wall_s"] == 2.0 and results["draftsmith-b"]["earlier"] == [there]
+    training.stage_train(tmp_path, [], budget, results, ablations=runs, rerun={"draftsmith-b"})
+    assert [r["wall_s"] for r in results["draftsmith-b"]["earlier"]] == [9.0, 2.0]
+    assert "earlier" not in results["draftsmith-b"]["earlier"][1]
+
+
 def test_each_run_of_a_sweep_is_judged_on_the_heldout_rows_once_right_after_it_trains(tmp_path, monkeypatch):
     """The sweep's judge (bench/heldout_tau.py on the quickstart's held-out rows, k 5) runs after each run that
     finished, its τ kept in the run's record; a kept run without a judgement is judged once, a failed one not."""

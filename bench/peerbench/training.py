@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 from .common import BENCH, JUDGE_K, PEER_ROOT, peer_python, pipeline_of, run_seed, run_timed
@@ -31,20 +32,39 @@ def finished(record: dict | None) -> bool:
     )
 
 
+def judged(record: dict | None) -> bool:
+    """Whether a run's record holds its held-out judgement (``judge_heldout``), with or without its head."""
+    return bool(record) and record.get("returncode") == 0 and "tau" in (record.get("judge") or {})
+
+
+def standing(record: dict | None) -> str | None:
+    """Why a run's record stands without training it again, or None when it has to train: a finished training,
+    or a judged one whose head is gone (a work folder of another machine or session: its figures stand, and
+    training it again here would only replace them)."""
+    if finished(record):
+        return "finished before"
+    if judged(record):
+        return "judged before; its head is gone, its record stands"
+    return None
+
+
 def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None = None, save=None,
-                ablations: dict[str, list[str]] | None = None, rerun: bool = False,
+                ablations: dict[str, list[str]] | None = None, rerun: bool | Collection[str] = False,
                 judge: bool = False) -> dict:  # fmt: skip
     """Train ``runs`` (and the ``ablations``: run name → overrides, for any pipeline) one at a time into
     ``results``, calling ``save`` after each so a bench cut short keeps the runs that finished. A run whose
-    record is already a finished training is kept, not trained again (so a sweep stopped half way goes on
-    where it stopped), unless ``rerun``. With ``judge``, each finished run's head is judged on the held-out
+    record stands (``standing``) is kept, not trained again (so a sweep stopped half way goes on where it
+    stopped, on this machine or another), unless ``rerun`` is True or names it; a run trained again keeps its
+    earlier records under ``earlier``. With ``judge``, each finished run's head is judged on the held-out
     rows right after it trains (``judge_heldout``), so its judgement is kept even if the head is not."""
     results = {} if results is None else results
     ablations = ablations or {}
     for run in [*runs, *ablations]:
-        if finished(results.get(run)) and not rerun:
-            print(f"peer_training: {run} kept (finished before; --rerun trains it again)", file=sys.stderr)
+        again = rerun is True or (not isinstance(rerun, bool) and run in rerun)
+        if (why := standing(results.get(run))) and not again:
+            print(f"peer_training: {run} kept ({why}; --rerun trains it again)", file=sys.stderr)
             continue
+        earlier = results.get(run)
         pipeline = pipeline_of(run)
         if pipeline != "draftsmith" and not peer_python(pipeline).exists():
             results[run] = {
@@ -66,6 +86,8 @@ def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None 
         )
         timed.update(throughput(timed, budget))
         timed["overrides"], timed["provenance"] = overrides, made
+        if earlier:
+            timed["earlier"] = [*earlier.pop("earlier", []), earlier]
         results[run] = timed
         print(f"peer_training: {run} rc={timed['returncode']} in {timed['wall_s']:.0f} s", file=sys.stderr)
         if save:
