@@ -25,6 +25,7 @@ from draftsmith.decode.target import Target
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.train.checkpoint import DRAFT_DIR, drop_frozen, export_draft, restore_frozen
 from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.optimizers import build_optimizer
 from draftsmith.train.schema import TrainConfig, to_dict
 from draftsmith.train.teacher import compute_teacher, teacher_from_final_state
 
@@ -197,11 +198,7 @@ class DraftModule(L.LightningModule):
             raise ValueError(
                 f"the {self.objective.kind} draft has no trainable parameters (all requires_grad=False)"
             )
-        groups = [
-            {"params": [p for _, p in trainable if p.ndim >= 2], "weight_decay": o.weight_decay},
-            {"params": [p for _, p in trainable if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=o.betas)
+        optimizer = build_optimizer(self.draft, trainable, o)
         schedule = partial(
             lr_factor,
             warmup=o.warmup_steps,

@@ -132,8 +132,19 @@ class CacheConfig:
 
 @dataclass(config=SECTION)
 class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW on every trained weight. muon: torch.optim.Muon on the draft's hidden weight matrices
+    (2-D, both sides > 1, not an embedding or an LM head) and AdamW (lr, betas, weight_decay) on the rest, as
+    speculators trains by default (train/optimizers.py); single device or ddp (not fsdp or deepspeed)."""
     lr: PositiveFloat = 1e-4
     """Peak learning rate of AdamW."""
+    muon_lr: PositiveFloat | None = None
+    """Peak learning rate of the Muon matrices (name: muon; null = lr). Muon's update is scaled to AdamW's
+    RMS (torch's adjust_lr_fn match_rms_adamw), so AdamW's lr carries over, as speculators defaults it."""
+    muon_weight_decay: NonNegativeFloat = 0.1
+    """Decoupled weight decay of the Muon matrices (name: muon)."""
+    muon_momentum: Fraction = 0.95
+    """Nesterov momentum of the Muon matrices (name: muon)."""
     weight_decay: NonNegativeFloat = 0.0
     """AdamW weight decay (applied to matrices only, not to biases and norms)."""
     betas: tuple[Beta, Beta] = (0.9, 0.95)
@@ -235,6 +246,11 @@ def validate(config: TrainConfig) -> None:
         )
     if config.trainer.strategy not in STRATEGIES:
         raise unknown_key(config.trainer.strategy, list(STRATEGIES), "trainer.strategy (no such strategy)")
+    if config.optim.name == "muon" and config.trainer.strategy.startswith(("fsdp", "deepspeed")):
+        raise ValueError(
+            f"optim.name muon with trainer.strategy {config.trainer.strategy}: Muon orthogonalises whole weight "
+            "matrices, which sharded strategies split; train it with ddp, or set optim.name adamw"
+        )
     kinds = objective_kinds()
     if config.draft.kind not in kinds:
         raise unknown_key(config.draft.kind, kinds, "draft.kind (no such draft kind)")
