@@ -227,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                 "--partial"
             )
         judged_file = args.out.with_name(args.out.stem + "_engines.json")
-        out["judged"] = judge(work, heads, judged_file, args.limit, args.max_new_tokens)
+        # its own provenance: the file's top-level one is whichever stage wrote it last
+        out["judged"] = {**judge(work, heads, judged_file, args.limit, args.max_new_tokens),
+                         "provenance": provenance(seed=None)}  # fmt: skip
         out["not_judged"] = {
             run: "no head here (its record stands from another work folder)" for run in missing
         }

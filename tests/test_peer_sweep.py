@@ -105,3 +105,27 @@ def test_the_judge_refuses_missing_heads_unless_partial_and_retrain_names_only_s
     out = json.loads((tmp_path / "o.json").read_text())
     assert list(out["not_judged"]) == ["draftsmith-seed1"]
     assert out["summary"]["draftsmith"]["heldout_tau"]["n"] == 3  # held-out τ stands for all three
+
+
+def test_the_judges_provenance_outlives_a_later_stage_writing_the_same_file(tmp_path, monkeypatch):
+    """The sweep runs in parts into one --out: a seeds stage after the judge rewrites the file's provenance, so
+    the judged figures carry the command and commit of the run that made them."""
+    record, head = tmp_path / "record.json", tmp_path / "head"
+    head.mkdir()
+    train = {
+        name: {**run(1.6), "head": str(head)}
+        for name in ("draftsmith", "draftsmith-seed1", "draftsmith-seed2")
+    }
+    record.write_text(json.dumps({"train": train}))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "budget.json").write_text("{}")
+    monkeypatch.setattr(peer_sweep, "judge", lambda *a: {})
+    monkeypatch.setattr(peer_sweep, "stage_train", lambda *a, **k: None)
+    common = ["--record", str(record), "--work", str(tmp_path), "--out", str(tmp_path / "o.json")]
+    monkeypatch.setattr(sys, "argv", ["peer_sweep.py", "--stages", "judge"])
+    peer_sweep.main([*common, "--stages", "judge"])
+    monkeypatch.setattr(sys, "argv", ["peer_sweep.py", "--stages", "seeds"])
+    peer_sweep.main([*common, "--stages", "seeds"])
+    out = json.loads((tmp_path / "o.json").read_text())
+    assert "--stages seeds" in out["provenance"]["command"]
+    assert "--stages judge" in out["judged"]["provenance"]["command"]
