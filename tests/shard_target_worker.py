@@ -10,6 +10,7 @@ writes OUT/rank<r>.json: the largest differences and the parameter elements it h
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -60,8 +61,13 @@ def main(arch: str, tied: str, out: str) -> None:
     report["logit_diff"] = max(logit_diffs)
     report["same_ids"] = all(torch.equal(a.topk_ids, b.topk_ids) for a, b in zip(plain, sharded))
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
-    dist.barrier()  # no rank tears gloo down while the other still runs a collective (an abort, ~1 run in 12)
-    dist.destroy_process_group()
+    dist.barrier()  # both reports are written: what the test reads is complete
+    # Tearing gloo down aborted a rank ("terminate called without an active exception") in 1 of 12 runs on
+    # 2 cores after this barrier and destroy_process_group, both reports written; leaving without the C++
+    # teardown, 0 of 30 (torchrun of this worker in a loop, gemma2 tied, 2026-12-04). The test fails only on what it tests.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
