@@ -64,7 +64,8 @@ def main(arch: str, tied: str, out: str) -> None:
     dist.barrier()  # both reports are written: what the test reads is complete
     # Tearing gloo down aborted a rank ("terminate called without an active exception") in 1 of 12 runs on
     # 2 cores after this barrier and destroy_process_group, both reports written; leaving without the C++
-    # teardown, 0 of 30 (torchrun of this worker in a loop, gemma2 tied, 2026-12-04). The test fails only on what it tests.
+    # teardown, 0 of 30 (torchrun of this worker in a loop, gemma2 tied, 2026-12-04). The test fails only
+    # on what it tests.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
