@@ -343,3 +343,69 @@ def test_a_frozen_lm_head_stays_the_targets_rows_while_the_rest_trains(target, b
     monkeypatch.setattr("draftsmith.drafts.eagle.copy_final_norm", lambda model, norm: False)
     with pytest.raises(ValueError, match="freeze_lm_head: false"):
         objective_for(target, "eagle3", batch, freeze_lm_head=True).build_draft()
+
+
+VARIANTS = [{"norm_before_fc": True}, {"norm_output": True}, {"norm_before_residual": True},
+            {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}]  # fmt: skip
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "+".join(v))
+def test_eagle31_norms_train_unroll_as_they_draft_and_stay_lossless(target, batch, variant, tmp_path):
+    """The EAGLE-3.1 norms as training options: the head is built with them, trains, its TTT unroll computes what
+    chain drafting computes, it survives a save and load, and greedy speculative output is the target's own."""
+    objective = objective_for(target, "eagle3", batch, ttt_steps=3, **variant)
+    teacher = make_teacher(target, batch, objective.capture_layers, objective.teacher_topk)
+    head, losses, _ = train(objective, batch, teacher, steps=10)
+    assert all(getattr(head.config, key) for key in variant) and losses[-1] < losses[0]
+    assert hasattr(head, "fuse_norm") == ("norm_before_fc" in variant)
+    T, t = batch.input_ids.shape[1], 5
+    feats = {i: teacher.features[i][:1] for i in objective.capture_layers}
+    ids = batch.input_ids[:1]
+    unrolled = head(ids, feats, steps=3).hidden_states
+    cache = DynamicCache()
+    causal = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()[None, None]
+    hidden = head.step(head.fuse(feats)[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None], causal, cache)
+    hidden = hidden[:, -1:]
+    for j in (1, 2):
+        hidden = head.step(hidden, ids[:, t + 1 + j : t + 2 + j], torch.tensor([[t + j]]), None, cache)
+        assert torch.allclose(hidden[0, 0], unrolled[j][0, t], atol=1e-5)
+    assert T > t + 3
+    head.save_pretrained(tmp_path)
+    assert all(getattr(EagleHead.from_pretrained(tmp_path).config, key) for key in variant)
+    prompt = batch.input_ids[0, :6]
+    reference = generate(target, prompt, None, max_new_tokens=20).tokens
+    assert generate(target, prompt, build_drafter(str(tmp_path), target), k=4, max_new_tokens=20).tokens == reference
+
+
+def test_eagle31_norms_are_eagle3_options_only(target):
+    """EAGLE-1 has no fused feature or feedback norm to add: its options refuse the keys before a target loads."""
+    from draftsmith.train.registry import options_class, parse_options
+
+    for kind in ("eagle3", "mirror"):
+        assert parse_options(kind, options_class(kind), {"norm_output": True})["norm_output"] is True
+    with pytest.raises(ValueError, match="norm_output"):
+        parse_options("eagle1", options_class("eagle1"), {"norm_output": True})
+
+
+def test_feature_noise_is_uniform_bounded_and_training_only(target, batch):
+    """``feature_noise`` a: every tapped feature moves by at most a, by more than a/2 somewhere, in training steps
+    only; validation (eval mode) reads the target's features untouched, so its loss is the noiseless one."""
+    objective = objective_for(target, "eagle3", batch, ttt_steps=2, feature_noise=0.05)
+    plain = objective_for(target, "eagle3", batch, ttt_steps=2)
+    teacher = make_teacher(target, batch, objective.capture_layers, objective.teacher_topk)
+    noisy = objective.noisy(teacher.features)
+    for i, f in teacher.features.items():
+        moved = (noisy[i] - f).abs()
+        assert moved.max() <= 0.05 + 1e-6 and moved.max() > 0.025 and moved.mean() > 0.02
+    assert plain.noisy(teacher.features) is teacher.features
+    torch.manual_seed(0)
+    head = objective.build_draft()
+    head.train()
+    with torch.no_grad():
+        a = objective.loss(head, batch, teacher)["loss"]
+        b = plain.loss(head, batch, teacher)["loss"]
+        head.eval()
+        c, d = objective.loss(head, batch, teacher)["loss"], plain.loss(head, batch, teacher)["loss"]
+    assert not torch.equal(a, b) and torch.equal(c, d)
+    with pytest.raises(ValueError, match="feature_noise"):
+        objective_for(target, "eagle3", batch, feature_noise=-0.1)

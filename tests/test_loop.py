@@ -156,6 +156,14 @@ def test_lr_schedule_warmup_then_cosine():
     assert all(a >= b for a, b in zip(f[2:], f[3:])) and f[10] == pytest.approx(0.1)
 
 
+def test_lr_schedule_warmup_then_linear_decay():
+    """speculators' schedule: linear warm-up, then a straight line from the peak to lr * min_ratio at max_steps."""
+    f = [lr_factor(s, warmup=2, max_steps=10, schedule="linear", min_ratio=0.0) for s in range(11)]
+    assert f[:3] == [0.5, 1.0, 1.0] and f[10] == 0.0
+    assert [round(b - a, 9) for a, b in zip(f[2:], f[3:])] == [-0.125] * 8  # equal steps down, 8 of them
+    assert lr_factor(6, warmup=2, max_steps=10, schedule="linear", min_ratio=0.2) == pytest.approx(0.6)
+
+
 def test_training_learns_and_leaves_target_alone(tiny_target_dir, conversations, tmp_path, capsys):
     out = tmp_path / "run"
     config = make_config(

@@ -44,12 +44,15 @@ def acceptance_summary(histogram: torch.Tensor) -> dict[str, float]:
 
 
 def lr_factor(step: int, warmup: int, max_steps: int, schedule: str, min_ratio: float) -> float:
-    """Multiplier of the peak lr at optimizer step ``step``: linear warm-up, then cosine or constant."""
+    """Multiplier of the peak lr at optimizer step ``step``: linear warm-up, then constant, or a cosine or
+    linear decay to ``min_ratio`` at ``max_steps``."""
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    if schedule == "linear":
+        return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

@@ -151,10 +151,10 @@ class OptimConfig:
     """AdamW betas, each in [0, 1)."""
     warmup_steps: NonNegativeInt = 100
     """Linear warm-up steps from 0 to lr."""
-    schedule: Literal["cosine", "constant"] = "cosine"
-    """Learning-rate schedule after warm-up."""
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Learning-rate schedule after warm-up: cosine or linear decay to lr * min_lr_ratio at max_steps, or constant."""
     min_lr_ratio: Fraction = 0.0
-    """Cosine decays to lr * min_lr_ratio at max_steps."""
+    """The cosine or linear decay ends at lr * min_lr_ratio at max_steps."""
     grad_clip: PositiveFloat | None = 0.5
     """Clip the gradient norm to this (null = no clipping)."""
 

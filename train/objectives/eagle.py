@@ -25,7 +25,7 @@ from typing import Annotated
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, NonNegativeFloat
 from pydantic.dataclasses import dataclass
 from torch import nn
 
@@ -80,10 +80,28 @@ class EagleOptions:
     freeze_lm_head: bool = False
     """EAGLE-3: keep the LM head as it starts, the target's own rows at the draft vocabulary (or the continued
     head's), instead of training it; speculators trains its heads so. EAGLE-1's is always the target's."""
+    feature_noise: NonNegativeFloat = 0.0
+    """Uniform noise in [-feature_noise, feature_noise] added to the target's hidden states the head reads, in
+    training steps only (EAGLE-1's paper 0.1, speculators 0.05): the head learns to read slightly wrong
+    features, as it must from its own at the later steps of a chain."""
 
 
 @dataclass(config=SECTION)
-class MirrorOptions(EagleOptions):
+class Eagle3Options(EagleOptions):
+    """``draft.options`` of ``eagle3``: EAGLE-1's, and the EAGLE-3.1 norms (EAGLE 3.1, arXiv 2605.09992)."""
+
+    norm_before_fc: bool = False
+    """EAGLE-3.1: one RMSNorm over the concatenated target states before fc (the taps' scales differ by
+    orders of magnitude between low and high layers)."""
+    norm_output: bool = False
+    """EAGLE-3.1: the hidden state fed back to the next step is the final norm's output, not the pre-norm
+    residual stream, so every step reads a state of the same scale."""
+    norm_before_residual: bool = False
+    """EAGLE-3.1: the first layer's residual stream starts from hidden_norm(feature), not the raw feature."""
+
+
+@dataclass(config=SECTION)
+class MirrorOptions(Eagle3Options):
     """``draft.options`` of ``mirror``: EAGLE-3's, on the early-exit layer alone, and the decoding defaults."""
 
     early_exit_layer: int | None = None
@@ -164,9 +182,14 @@ class EagleObjective(Objective):
         token_weight: float = 0.1,
         init_from: str | None = None,
         freeze_lm_head: bool = False,
+        feature_noise: float = 0.0,
+        norm_before_fc: bool = False,
+        norm_output: bool = False,
+        norm_before_residual: bool = False,
     ):
         """``feature_weight`` / ``token_weight`` weigh EAGLE-1's smooth-L1 and CE terms (EAGLE-1's 1.0 / 0.1).
-        ``freeze_lm_head``: the LM head is not trained (``EagleOptions.freeze_lm_head``).
+        ``freeze_lm_head``: the LM head is not trained (``EagleOptions.freeze_lm_head``); ``feature_noise``,
+        ``norm_before_fc``, ``norm_output``, ``norm_before_residual``: ``EagleOptions`` / ``Eagle3Options``.
 
         ``init_from``: a head directory saved by ``draftsmith train`` to continue from (fine-tuning, e.g.
         on the target's own regenerated answers). Its shape, capture layers and draft vocabulary are
@@ -180,6 +203,10 @@ class EagleObjective(Objective):
             raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
         if num_layers is not None and num_layers < 1:
             raise ValueError(f"num_layers must be >= 1 (decoder layers in the head), got {num_layers}")
+        variants = {"norm_before_fc": norm_before_fc, "norm_output": norm_output,
+                    "norm_before_residual": norm_before_residual}  # fmt: skip
+        if preset != EAGLE3 and any(variants.values()):
+            raise ValueError(f"{', '.join(k for k, v in variants.items() if v)}: EAGLE-3 head variants; {preset} has none")
         self.target = target
         self.init_head: EagleHead | None = None
         if init_from is not None:
@@ -188,6 +215,12 @@ class EagleObjective(Objective):
             )
             self.config = copy.deepcopy(self.init_head.config)
             self.config.ttt_steps = steps
+            for key, asked in variants.items():
+                if asked and not getattr(self.config, key):
+                    raise ValueError(
+                        f"draft.options.{key}: the head at {init_from} was trained without it, and a norm cannot "
+                        f"be added to a trained head; drop {key} or train from scratch"
+                    )
         else:
             self.config = EagleConfig.for_target(
                 target,
@@ -197,6 +230,9 @@ class EagleObjective(Objective):
                 32000 if draft_vocab_size is None else draft_vocab_size,
                 steps,
             )
+            for key, asked in variants.items():
+                setattr(self.config, key, bool(asked))
+        self.feature_noise = float(feature_noise)
         self.capture_layers = tuple(self.config.capture_layer_ids)
         self.teacher_topk = int(teacher_topk)
         self.step_weights = [step_decay**j for j in range(steps)]
@@ -252,7 +288,7 @@ class EagleObjective(Objective):
         valid = step_valid_masks(batch, steps)
         out = draft(
             batch.input_ids,
-            teacher.features,
+            self.noisy(teacher.features) if head.training else teacher.features,
             batch.attention_mask,
             steps=steps,
             logit_masks=valid,
@@ -288,6 +324,13 @@ class EagleObjective(Objective):
                 logs["oov_frac"] = masked_mean((~draftable).float())
                 logs["tokens"] = sel.sum().float()
         return {"loss": total, **logs}
+
+    def noisy(self, features: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The target's features with ``feature_noise``'s uniform noise added (unchanged at 0)."""
+        if not self.feature_noise:
+            return features
+        a = self.feature_noise
+        return {i: f + (torch.rand_like(f) * 2 - 1) * a for i, f in features.items()}
 
     @torch.no_grad()
     def chain_lengths(
@@ -385,7 +428,7 @@ def _build_eagle1(target, options: dict, token_counts=None) -> Eagle1Objective:
     return Eagle1Objective(target, token_counts=token_counts, **options)
 
 
-@register_objective(EAGLE3, options=EagleOptions)
+@register_objective(EAGLE3, options=Eagle3Options)
 def _build_eagle3(target, options: dict, token_counts=None) -> Eagle3Objective:
     return Eagle3Objective(target, token_counts=token_counts, **options)
 
