@@ -364,7 +364,9 @@ def test_eagle31_norms_train_unroll_as_they_draft_and_stay_lossless(target, batc
     unrolled = head(ids, feats, steps=3).hidden_states
     cache = DynamicCache()
     causal = torch.ones(t + 1, t + 1, dtype=torch.bool).tril()[None, None]
-    hidden = head.step(head.fuse(feats)[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None], causal, cache)
+    hidden = head.step(
+        head.fuse(feats)[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None], causal, cache
+    )
     hidden = hidden[:, -1:]
     for j in (1, 2):
         hidden = head.step(hidden, ids[:, t + 1 + j : t + 2 + j], torch.tensor([[t + j]]), None, cache)
@@ -374,7 +376,10 @@ def test_eagle31_norms_train_unroll_as_they_draft_and_stay_lossless(target, batc
     assert all(getattr(EagleHead.from_pretrained(tmp_path).config, key) for key in variant)
     prompt = batch.input_ids[0, :6]
     reference = generate(target, prompt, None, max_new_tokens=20).tokens
-    assert generate(target, prompt, build_drafter(str(tmp_path), target), k=4, max_new_tokens=20).tokens == reference
+    assert (
+        generate(target, prompt, build_drafter(str(tmp_path), target), k=4, max_new_tokens=20).tokens
+        == reference
+    )
 
 
 def test_eagle31_norms_are_eagle3_options_only(target):

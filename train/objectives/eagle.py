@@ -206,7 +206,9 @@ class EagleObjective(Objective):
         variants = {"norm_before_fc": norm_before_fc, "norm_output": norm_output,
                     "norm_before_residual": norm_before_residual}  # fmt: skip
         if preset != EAGLE3 and any(variants.values()):
-            raise ValueError(f"{', '.join(k for k, v in variants.items() if v)}: EAGLE-3 head variants; {preset} has none")
+            raise ValueError(
+                f"{', '.join(k for k, v in variants.items() if v)}: EAGLE-3 head variants; {preset} has none"
+            )
         self.target = target
         self.init_head: EagleHead | None = None
         if init_from is not None:
