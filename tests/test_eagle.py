@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from draftsmith.drafts.eagle_drafter import EagleDrafter
 from draftsmith.drafts.eagle_parts import build_vocab_map, ttt_attention_mask
 from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Teacher, decoding_walk_steps
+from draftsmith.train.objectives.common import step_valid_masks
 from draftsmith.train.objectives.eagle import EagleObjective
 from draftsmith.train.registry import build_objective
 from draftsmith.train.shrink_vocab import shrink_head_vocab
@@ -414,3 +416,43 @@ def test_feature_noise_is_uniform_bounded_and_training_only(target, batch):
     assert not torch.equal(a, b) and torch.equal(c, d)
     with pytest.raises(ValueError, match="feature_noise"):
         objective_for(target, "eagle3", batch, feature_noise=-0.1)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"step_weighting": "dpace"}, {"step_weighting": "walk"}, {"loss": "lk_hybrid"},
+     {"step_weighting": "dpace", "loss": "lk_hybrid", "dpace_alpha": 0.3}],
+    ids=lambda o: "-".join(map(str, o.values())),
+)  # fmt: skip
+def test_acceptance_oriented_losses_train(target, batch, options):
+    """D-PACE / walk weighting and the LK^λ loss train an EAGLE-3 head (finite, falling loss); the per-anchor
+    weights put the most on step 0 and never grow with the step, and at dpace_alpha 1 step j of an anchor weighs
+    its valid steps from j on (3, 2, 1 where all are valid)."""
+    objective = objective_for(target, "eagle3", batch, ttt_steps=3, **options)
+    teacher = make_teacher(target, batch, objective.capture_layers, objective.teacher_topk)
+    head, losses, out = train(objective, batch, teacher, steps=12)
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.9 * losses[0]
+    if "step_weighting" in options:
+        w = [float(out[f"weight_{j}"]) for j in range(3)]
+        assert w[0] >= w[1] >= w[2] > 0, w
+        flat = objective_for(target, "eagle3", batch, ttt_steps=3, **{**options, "dpace_alpha": 1.0})
+        out = flat.loss(head, batch, teacher)
+        valid = step_valid_masks(batch, 3).long()
+        reach = valid.flip(0).cumsum(0).flip(0)  # valid steps m >= j of each anchor
+        expected = [float(reach[j][valid[j].bool()].float().mean()) for j in range(3)]
+        assert [float(out[f"weight_{j}"]) for j in range(3)] == pytest.approx(expected)
+        assert expected[2] == 1.0 and expected[0] > 2.5
+    if options.get("loss") == "lk_hybrid":
+        assert 0 < float(out["acceptance_0"]) <= 1
+
+
+def test_acceptance_oriented_options_are_eagle3_only(target, batch):
+    from draftsmith.train.registry import options_class, parse_options
+
+    for key, value in (("step_weighting", "dpace"), ("loss", "lk_hybrid")):
+        with pytest.raises(ValueError, match=key):
+            parse_options("eagle1", options_class("eagle1"), {key: value})
+    with pytest.raises(ValueError, match="step_weighting"):
+        parse_options("eagle3", options_class("eagle3"), {"step_weighting": "dpac"})
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        parse_options("eagle3", options_class("eagle3"), {"dpace_alpha": 0})

@@ -198,3 +198,48 @@ def test_empty_mask_and_bad_shapes():
         L.forward_kl(draft, teacher[:, :2], torch.ones(2, dtype=torch.bool))
     with pytest.raises(ValueError, match="unknown distillation loss"):
         L.distillation_loss("kl", draft, teacher, torch.ones(2, dtype=torch.bool))
+
+
+# ---- acceptance-oriented losses and weights (EAGLE-3 recipe options)
+
+
+def test_dpace_weights_by_hand():
+    """q̃ = (1 - α) q + α; C_j = Π_{i≤j} q̃_i; w_j = Σ_{m≥j} C_m over valid m, 0 where j is not valid."""
+    confidence = torch.tensor([[0.6], [0.2], [1.0]])
+    valid = torch.ones(3, 1, dtype=torch.bool)
+    w = L.dpace_weights(confidence, valid, 0.5)  # q̃ = .8 .6 1 → C = .8 .48 .48
+    assert torch.allclose(w[:, 0], torch.tensor([1.76, 0.96, 0.48]))
+    valid[1] = False  # q̃_1 = 1, C_1 left out
+    assert torch.allclose(L.dpace_weights(confidence, valid, 0.5)[:, 0], torch.tensor([1.6, 0.0, 0.8]))
+    assert torch.equal(L.dpace_weights(confidence, torch.ones(3, 1, dtype=torch.bool), 1.0)[:, 0],
+                       torch.tensor([3.0, 2.0, 1.0]))  # fmt: skip
+    grad = confidence.clone().requires_grad_()
+    assert not L.dpace_weights(grad, valid).requires_grad
+    with pytest.raises(ValueError, match=r"alpha must be in \(0, 1\]"):
+        L.dpace_weights(confidence, valid, 0.0)
+
+
+def test_topk_acceptance_and_lk_hybrid_by_hand():
+    """α = Σ min(p, q) over the ids the draft scores; LK^λ = λ KL + (1 - λ)(1 - α), λ = exp(-3α); its gradient in
+    the draft's logits is λ (q - p) - (1 - λ) ∂α/∂z, with ∂α/∂z_v = 1[q_v < p_v] q_v - q_v Σ_u 1[q_u < p_u] q_u."""
+    draft = torch.tensor([[0.5, -1.0, 2.0, 0.0]], requires_grad=True)
+    teacher = torch.tensor(
+        [[1.0, 0.0, -3.0, 9.0]]
+    )  # top-4 logits; the last id is outside the draft vocabulary
+    ids = torch.tensor([[1, 0, 2, -1]])
+    p = torch.tensor([1.0, 0.0, -3.0]).softmax(-1)  # teacher over the in-vocabulary ids, draft ids 1, 0, 2
+    q = draft.detach()[0].softmax(-1)
+    p_draft = torch.zeros(4)
+    p_draft[[1, 0, 2]] = p
+    alpha = L.topk_acceptance(draft, teacher, ids)
+    assert torch.allclose(alpha, torch.minimum(p_draft, q).sum()[None])
+    ce, _ = L.soft_topk_cross_entropy(draft, teacher, ids)
+    kl = ce - L.teacher_entropy(teacher, ids)
+    assert torch.allclose(kl, (p_draft[:3] * (p_draft[:3].log() - q[:3].log())).sum()[None], atol=1e-6)
+    loss = L.lk_hybrid(kl, alpha)
+    lam = math.exp(-3 * float(alpha.detach()))
+    assert torch.allclose(loss, lam * kl + (1 - lam) * (1 - alpha))
+    loss.sum().backward()
+    below = (q < p_draft).float()
+    d_alpha = below * q - q * (below * q).sum()
+    assert torch.allclose(draft.grad[0], lam * (q - p_draft) - (1 - lam) * d_alpha, atol=1e-6)

@@ -255,3 +255,47 @@ def soft_topk_cross_entropy(
     p = teacher_logits.float().masked_fill(~in_vocab, float("-inf")).softmax(-1).nan_to_num(0.0)
     log_q = draft_logits.float().log_softmax(-1).gather(-1, teacher_draft_ids.clamp_min(0))
     return -(p * log_q).sum(-1), in_vocab.any(-1)
+
+
+def topk_acceptance(
+    draft_logits: torch.Tensor, teacher_logits: torch.Tensor, teacher_draft_ids: torch.Tensor
+) -> torch.Tensor:
+    """α = Σ_v min(p_v, q_v) per position [N]: the chance speculative sampling accepts a token drafted from q
+    when the target samples from p (1 - total variation). p is the teacher's top-k renormalised over the ids the
+    draft can score (as ``soft_topk_cross_entropy``; its other ids have p = 0, so min is 0 there); q the draft's
+    full softmax. Arguments as ``soft_topk_cross_entropy``."""
+    in_vocab = teacher_draft_ids >= 0
+    p = teacher_logits.float().masked_fill(~in_vocab, float("-inf")).softmax(-1).nan_to_num(0.0)
+    q = draft_logits.float().softmax(-1).gather(-1, teacher_draft_ids.clamp_min(0))
+    return torch.minimum(p, q).sum(-1)
+
+
+def lk_hybrid(kl: torch.Tensor, acceptance: torch.Tensor, eta: float = 3.0) -> torch.Tensor:
+    """LK^λ (arXiv 2602.23881, speculators' ``lk_hybrid``) per position: λ·KL(p || q) + (1 - λ)·(1 - α) with
+    λ = exp(-η·α) per position, α detached in λ: KL leads while the draft is far from the target (where
+    total variation's gradient vanishes), acceptance once it is close. kl, acceptance [N] → [N]."""
+    weight = torch.exp(-eta * acceptance.detach())
+    return weight * kl + (1.0 - weight) * (1.0 - acceptance)
+
+
+def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE (arXiv 2605.18810) weights [J, ...] of the J positions of a chain, detached.
+
+    ``confidence`` [J, ...] in [0, 1]: the draft's chance of getting position j right (its probability of the
+    target's token); ``valid`` [J, ...] bool. With q̃_j = (1 - α)·q_j + α (1 where not valid), C_j = Π_{i≤j} q̃_i
+    the chance the chain reaches past j, the weight of j is w_j = Σ_{m≥j} C_m (valid m only): the credit for
+    every position a right token at j lets decoding reach. α in (0, 1] floors q̃ (α = 1: equal weights)."""
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"D-PACE alpha must be in (0, 1], got {alpha}")
+    valid = valid.bool()
+    smoothed = torch.where(valid, (1.0 - alpha) * confidence.detach().float() + alpha, 1.0)
+    reach = smoothed.cumprod(0) * valid
+    return reach.flip(0).cumsum(0).flip(0) * valid
+
+
+def teacher_entropy(teacher_logits: torch.Tensor, teacher_draft_ids: torch.Tensor) -> torch.Tensor:
+    """H(p) per position [N] of the teacher's top-k renormalised over the draft's ids (as
+    ``soft_topk_cross_entropy``): that cross-entropy minus this is KL(p || q)."""
+    in_vocab = teacher_draft_ids >= 0
+    log_p = teacher_logits.float().masked_fill(~in_vocab, float("-inf")).log_softmax(-1)
+    return -(log_p.exp() * log_p.nan_to_num(0.0, neginf=0.0)).sum(-1).nan_to_num(0.0)

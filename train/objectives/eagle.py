@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,13 @@ from draftsmith.decode.mirror import MirrorSettings
 from draftsmith.drafts.base import DRAFT_KIND_KEY, EAGLE1, EAGLE3, MIRROR
 from draftsmith.drafts.eagle import EagleConfig, EagleHead, check_target
 from draftsmith.drafts.eagle_parts import build_vocab_map
-from draftsmith.train.losses import soft_topk_cross_entropy
+from draftsmith.train.losses import (
+    dpace_weights,
+    lk_hybrid,
+    soft_topk_cross_entropy,
+    teacher_entropy,
+    topk_acceptance,
+)
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.objectives.common import (
     chain_starts,
@@ -67,7 +73,7 @@ class EagleOptions:
     ttt_steps: Annotated[int, Field(ge=1)] | None = None
     """Training-time-test unroll steps (null = 1 for EAGLE-1, 3 for EAGLE-3; EAGLE-3's paper uses 7)."""
     step_decay: float = 0.8
-    """Weight of unroll step j is step_decay ** j."""
+    """Weight of unroll step j is step_decay ** j (step_weighting: decay)."""
     teacher_topk: Annotated[int, Field(ge=1)] = 64
     """The target's largest logits per position the soft targets are made of."""
     feature_weight: float = 1.0
@@ -98,6 +104,18 @@ class Eagle3Options(EagleOptions):
     residual stream, so every step reads a state of the same scale."""
     norm_before_residual: bool = False
     """EAGLE-3.1: the first layer's residual stream starts from hidden_norm(feature), not the raw feature."""
+    step_weighting: Literal["decay", "dpace", "walk"] = "decay"
+    """How the TTT steps of one anchor are weighed: decay (step_decay ** j), dpace (D-PACE, arXiv 2605.18810:
+    step j by the chance, from the draft's probability of the target's token at the steps before it, that decoding
+    reaches it and the steps after), walk (D-PACE with the draft's greedy hits as the chance: the steps the greedy
+    decoding walk reaches); dpace and walk sum over an anchor's steps and average over anchors."""
+    dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """D-PACE's floor α of a step's chance (step_weighting: dpace, walk): q̃ = (1 - α)·q + α; at 1 step j
+    weighs ttt_steps - j whatever the draft's chances."""
+    loss: Literal["kl", "lk_hybrid"] = "kl"
+    """Per-position loss against the target's top-k over the draft vocabulary: kl (forward KL, in fp32; the
+    soft cross-entropy's gradient), lk_hybrid (LK^λ, arXiv 2602.23881: λ·KL + (1 - λ)·(1 - acceptance),
+    λ = exp(-3·acceptance))."""
 
 
 @dataclass(config=SECTION)
@@ -183,13 +201,16 @@ class EagleObjective(Objective):
         init_from: str | None = None,
         freeze_lm_head: bool = False,
         feature_noise: float = 0.0,
+        step_weighting: str = "decay",
+        dpace_alpha: float = 0.5,
+        loss: str = "kl",
         norm_before_fc: bool = False,
         norm_output: bool = False,
         norm_before_residual: bool = False,
     ):
         """``feature_weight`` / ``token_weight`` weigh EAGLE-1's smooth-L1 and CE terms (EAGLE-1's 1.0 / 0.1).
         ``freeze_lm_head``: the LM head is not trained (``EagleOptions.freeze_lm_head``); ``feature_noise``,
-        ``norm_before_fc``, ``norm_output``, ``norm_before_residual``: ``EagleOptions`` / ``Eagle3Options``.
+        ``step_weighting``, ``dpace_alpha``, ``loss``, ``norm_before_fc``, ``norm_output``, ``norm_before_residual``: ``EagleOptions`` / ``Eagle3Options``.
 
         ``init_from``: a head directory saved by ``draftsmith train`` to continue from (fine-tuning, e.g.
         on the target's own regenerated answers). Its shape, capture layers and draft vocabulary are
@@ -238,6 +259,12 @@ class EagleObjective(Objective):
         self.capture_layers = tuple(self.config.capture_layer_ids)
         self.teacher_topk = int(teacher_topk)
         self.step_weights = [step_decay**j for j in range(steps)]
+        self.step_weighting, self.dpace_alpha, self.loss_name = step_weighting, float(dpace_alpha), loss
+        if preset == EAGLE1 and (step_weighting != "decay" or loss != "kl"):
+            raise ValueError(
+                f"draft.options step_weighting {step_weighting!r} / loss {loss!r}: EAGLE-1 trains with a feature "
+                "regression beside its token loss; these options are EAGLE-3's (draft.kind: eagle3)"
+            )
         self.feature_weight, self.token_weight = feature_weight, token_weight
         self.freeze_lm_head = bool(freeze_lm_head)
         self.vocab_map = None
@@ -302,29 +329,57 @@ class EagleObjective(Objective):
             feature = teacher.features[self.capture_layers[0]]
         total = out.logits[0].new_zeros(())
         logs: dict[str, torch.Tensor] = {}
+        per_anchor = self.step_weighting != "decay"  # dpace / walk: [steps, B, T] grids, weighed at the end
+        losses, chances = (
+            valid.new_zeros(valid.shape, dtype=torch.float32),
+            valid.new_zeros(valid.shape, dtype=torch.float32),
+        )
         for j, weight in enumerate(self.step_weights):
             sel = valid[j]
             t_ids = shift_left(teacher.topk_ids, 1 + j)[sel]
             t_draft = torch.where(head.t2d[t_ids], draft_index[t_ids], -1)
-            ce, has_mass = soft_topk_cross_entropy(
-                out.logits[j], shift_left(teacher.topk_logits, 1 + j)[sel], t_draft
-            )
+            t_logits = shift_left(teacher.topk_logits, 1 + j)[sel]
+            ce, has_mass = soft_topk_cross_entropy(out.logits[j], t_logits, t_draft)
+            logs[f"ce_{j}"] = masked_mean(ce[has_mass]).detach()
+            if self.loss_name == "lk_hybrid":
+                acceptance = topk_acceptance(out.logits[j], t_logits, t_draft)
+                ce = torch.where(
+                    has_mass, lk_hybrid(ce - teacher_entropy(t_logits, t_draft), acceptance), 0.0
+                )
+                logs[f"acceptance_{j}"] = masked_mean(acceptance[has_mass]).detach()
             step_loss = masked_mean(ce[has_mass])
-            logs[f"ce_{j}"] = step_loss.detach()
             if self.preset == EAGLE1:
                 pred = out.hidden_states[j][sel].float()
                 real = shift_left(feature, 1 + j)[sel].float()
                 feat_loss = masked_mean(F.smooth_l1_loss(pred, real, reduction="none").mean(-1))
                 logs[f"feature_loss_{j}"] = feat_loss.detach()
                 step_loss = self.feature_weight * feat_loss + self.token_weight * step_loss
-            total = total + weight * step_loss
             g = shift_left(greedy, 1 + j)[sel]
             draftable = head.t2d[g]
             hits = head.d2t[out.logits[j].argmax(-1)] == g
+            if per_anchor:
+                losses[j][sel] = torch.where(has_mass, ce, 0.0).float()
+                if self.step_weighting == "walk":
+                    chances[j][sel] = hits.float()
+                else:  # the draft's probability of the target's token (0 where it is outside the vocabulary)
+                    p = (
+                        out.logits[j]
+                        .detach()
+                        .float()
+                        .softmax(-1)
+                        .gather(-1, draft_index[g].clamp_min(0)[:, None])
+                    )
+                    chances[j][sel] = torch.where(draftable, p[:, 0], 0.0)
+            else:
+                total = total + weight * step_loss
             logs[f"acc_{j}"] = masked_mean(hits[draftable].float())
             if j == 0:
                 logs["oov_frac"] = masked_mean((~draftable).float())
                 logs["tokens"] = sel.sum().float()
+        if per_anchor:
+            weights = dpace_weights(chances, valid, self.dpace_alpha)
+            total = (weights * losses).sum() / max(int(valid[0].sum()), 1)
+            logs.update({f"weight_{j}": masked_mean(weights[j][valid[j]]) for j in range(steps)})
         return {"loss": total, **logs}
 
     def noisy(self, features: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
