@@ -29,11 +29,14 @@ def target():
     return tiny_target("llama", layers=8)
 
 
-def make_eagle_head(target, directory, capture=None, draft_vocab=DRAFT_VOCAB):
-    """A saved EAGLE-3 head with a real vocab map and distinct (non-unit) norms, so swapped names show."""
+def make_eagle_head(target, directory, capture=None, draft_vocab=DRAFT_VOCAB, **norms):
+    """A saved EAGLE-3 head with a real vocab map and distinct (non-unit) norms, so swapped names show;
+    ``norms``: EAGLE-3.1 norms it has (norm_before_fc=True, ...)."""
     torch.manual_seed(0)
     draft_vocab = draft_vocab or target.vocab_size
     config = EagleConfig.for_target(target, draft_vocab_size=draft_vocab, capture_layer_ids=capture)
+    for key, value in norms.items():
+        setattr(config, key, value)
     head = EagleHead(config)
     counts = torch.rand(target.vocab_size)
     head.set_vocab_map(*build_vocab_map(counts, draft_vocab))
@@ -85,6 +88,8 @@ def engine_logits(folder, engine, target, ids):
         target.model(ids[None, :-1])
     aux = torch.cat([store[i][0, -1] for i in outputs])
     eps = shape["rms_norm_eps"]
+    if engine == "vllm" and cfg.get("norm_before_fc"):  # llama_eagle3.combine_hidden_states: input_norm first
+        aux = rms(aux, w["input_norm.weight"], eps)
     h = F.linear(aux, w["fc.weight"])
     emb = w["embed_tokens.weight"][ids[-1]]
     x = torch.cat(
@@ -93,7 +98,9 @@ def engine_logits(folder, engine, target, ids):
     heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     v = F.linear(x, w["midlayer.self_attn.v_proj.weight"]).view(kv_heads, head_dim)
     v = v.repeat_interleave(heads // kv_heads, dim=0).flatten()
-    h = h + F.linear(v, w["midlayer.self_attn.o_proj.weight"])  # residual = fc output (norm after residual)
+    # the residual: fc's output, or (vLLM's norm_before_residual) hidden_norm of it
+    residual = rms(h, w["midlayer.hidden_norm.weight"], eps) if cfg.get("norm_before_residual") else h
+    h = residual + F.linear(v, w["midlayer.self_attn.o_proj.weight"])
     m = rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
     mlp = F.linear(
         F.silu(F.linear(m, w["midlayer.mlp.gate_proj.weight"]))
@@ -157,6 +164,37 @@ def test_eagle3_export_computes_what_draftsmith_computes(target, eagle_heads, tm
     assert torch.equal(ours.isinf(), theirs.isinf())
     finite = ~ours.isinf()
     torch.testing.assert_close(theirs[finite], ours[finite], rtol=1e-4, atol=1e-4)
+
+
+EAGLE31 = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+
+
+def test_an_eagle31_head_exports_to_vllm_with_its_norms_and_is_refused_by_name_elsewhere(target, tmp_path):
+    """The EAGLE-3.1 norms reach vLLM's config and weights (input_norm blocks in fc's ascending order) and the
+    engine computes the head's logits; without them (the flags dropped) it computes others, and the verifier
+    says which flag is wrong. SGLang's and speculators' layouts carry no norm_before_fc / norm_output: refused,
+    naming them."""
+    folder = tmp_path / "head" / "draft"
+    head = make_eagle_head(target, folder, capture=[5, 1, 3], **EAGLE31)
+    out = export_checkpoint(locate_checkpoint(str(folder)), "vllm", tmp_path / "vllm")
+    assert verify_export(out, "vllm")
+    cfg = json.loads((out / "config.json").read_text())
+    assert all(cfg[key] is True for key in EAGLE31)
+    ids = torch.tensor([5, 17, 99, 3, 42, 7])
+    ours, theirs = draftsmith_logits(head, target, ids), engine_logits(out, "vllm", target, ids)
+    finite = ~ours.isinf()
+    torch.testing.assert_close(theirs[finite], ours[finite], rtol=1e-4, atol=1e-4)
+    for key in ("norm_before_fc", "norm_before_residual"):
+        wrong = dict(cfg, **{key: False})
+        (out / "config.json").write_text(json.dumps(wrong))
+        assert not torch.allclose(engine_logits(out, "vllm", target, ids)[finite], ours[finite], atol=1e-3)
+        with pytest.raises(ExportVerificationError, match=f"{key} must be written as true"):
+            verify_export(out, "vllm")
+    for engine in ("sglang", "speculators"):
+        with pytest.raises(
+            ValueError, match=f"(?i)norm_before_fc, norm_output: variants of EAGLE-3 the {engine}"
+        ):
+            export_checkpoint(locate_checkpoint(str(folder)), engine, tmp_path / engine)
 
 
 def test_an_unordered_head_read_without_the_fc_permutation_gives_other_logits(

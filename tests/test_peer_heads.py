@@ -149,7 +149,7 @@ def speculators_layout(head: EagleHead, folder: Path) -> Path:
     for key in ("norm_before_residual", "norm_before_fc", "norm_output"):
         config[key] = bool(cfg.get(key))
     config.pop("draftsmith_source")
-    tensors = layer_names(reference_weights(state, cfg, "speculators"))
+    tensors = layer_names(reference_weights(state, {**cfg, "norm_before_fc": False}, "speculators"))
     if fuse_norm is not None:
         tensors["input_norm.weight"] = fuse_norm
     return write_layout(folder, config, tensors)
@@ -391,29 +391,30 @@ def test_an_imported_variant_is_not_exported_as_a_plain_head(tiny, tmp_path, cap
 
 
 def test_vllm_serves_a_peers_variant_from_the_folder_the_peer_wrote(tiny, tmp_path):
-    """bench/vllm_engine.py: a head whose variant draftsmith's vLLM layout cannot carry is served from the
-    peer's own folder (vLLM reads speculators' format itself); a plain head from draftsmith's export, and
-    draftsmith's own head is never silently swapped."""
+    """bench/vllm_engine.py: a head whose variant draftsmith's vLLM layout cannot carry (ModelOpt's input norm on the
+    fused feature) is served from the peer's own folder; one it carries (the EAGLE-3.1 norms speculators trains)
+    from draftsmith's export, and draftsmith's own head is never silently swapped."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import vllm_engine
 
     options = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
-    own = speculators_layout(draftsmith_head(tiny["target"], **options), tmp_path / "spec")
-    ckpt = locate_checkpoint(str(own))
+    spec = speculators_layout(draftsmith_head(tiny["target"], **options), tmp_path / "spec")
+    ckpt = locate_checkpoint(str(spec))
     assert ckpt.kind.name == PEER_EAGLE3
     read = vllm_engine.import_peer_head(ckpt, str(tiny["dir"]), tmp_path / "read")
-    assert vllm_engine.served_folder(read, ckpt.draft_dir, tmp_path / "spec-vllm") == ckpt.draft_dir
-    assert not (tmp_path / "spec-vllm" / "config.json").exists()
+    out = tmp_path / "spec-vllm"
+    assert vllm_engine.served_folder(read, ckpt.draft_dir, out) == out
+    assert all(json.loads((out / "config.json").read_text())[key] is True for key in options)
 
-    plain = speculators_layout(draftsmith_head(tiny["target"]), tmp_path / "plain")
-    ckpt = locate_checkpoint(str(plain))
-    read = vllm_engine.import_peer_head(ckpt, str(tiny["dir"]), tmp_path / "plain-read")
-    out = tmp_path / "plain-vllm"
-    assert vllm_engine.served_folder(read, ckpt.draft_dir, out) == out and (out / "config.json").is_file()
+    mo = modelopt_layout(draftsmith_head(tiny["target"], feature_input_norm=True), tmp_path / "mo", [1, 3, 4])
+    ckpt = locate_checkpoint(str(mo))
+    read = vllm_engine.import_peer_head(ckpt, str(tiny["dir"]), tmp_path / "mo-read")
+    assert vllm_engine.served_folder(read, ckpt.draft_dir, tmp_path / "mo-vllm") == ckpt.draft_dir
+    assert not (tmp_path / "mo-vllm" / "config.json").exists()
 
     ours = tmp_path / "ours"
-    draftsmith_head(tiny["target"], norm_output=True).save_pretrained(ours)
-    with pytest.raises(ValueError, match="norm_output"):  # no peer folder to fall back on: refused
+    draftsmith_head(tiny["target"], feature_input_norm=True).save_pretrained(ours)
+    with pytest.raises(ValueError, match="feature_input_norm"):  # no peer folder to fall back on: refused
         vllm_engine.served_folder(locate_checkpoint(str(ours)), None, tmp_path / "ours-vllm")
 
 

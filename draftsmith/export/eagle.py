@@ -51,7 +51,10 @@ NAME_MAP = {
     "d2t": "d2t",
     "t2d": "t2d",
     "mask_hidden": "mask_hidden",  # P-EAGLE heads only
+    "fuse_norm.weight": "input_norm.weight",  # norm_before_fc heads only (vLLM's name)
 }
+OPTIONAL_WEIGHTS = {"mask_hidden": "mask_token_id", "fuse_norm.weight": "norm_before_fc"}
+"""Weights a head has only with this config field set."""
 
 
 LAYER_ID_SHIFT = {VLLM.name: 1, SPECULATORS.name: 1, GGUF.name: 1, SGLANG.name: 0}
@@ -63,9 +66,13 @@ N (after its layer loop). SGLang captures only layer inputs, and llama.cpp's Lla
 inputs only (id N asks for an embedding a Llama target never sets)."""
 VARIANT_FIELDS = ("norm_before_residual", "norm_before_fc", "norm_output", "feature_input_norm")
 """EagleConfig options of heads from other pipelines (drafts/eagle_import.py)."""
-VARIANTS_CARRIED = {GGUF.name: ("norm_before_residual", "norm_before_fc")}
+EAGLE31_NORMS = ("norm_before_residual", "norm_before_fc", "norm_output")
+"""The EAGLE-3.1 norms draftsmith trains (``draft.options``)."""
+VARIANTS_CARRIED = {GGUF.name: ("norm_before_residual", "norm_before_fc"), VLLM.name: EAGLE31_NORMS}
 """The variants an engine's layout carries: llama.cpp's eagle3 graph reads ``eagle3.norm_before_residual``
-and ``eagle3.norm_before_fc`` (with ``enc.output_norm.weight``). The others are refused for every engine."""
+and ``eagle3.norm_before_fc`` (with ``enc.output_norm.weight``); vLLM 0.32's llama_eagle3.py reads the three
+EAGLE-3.1 flags from config.json (``norm_before_fc`` with the weight ``input_norm.weight``, one RMSNorm over the
+concatenated states; ``norm_output``: the post-norm state fed back). The others are refused by name."""
 
 
 class VariantNotExpressed(ValueError):
@@ -143,11 +150,15 @@ def check_exportable(config: dict, engine: str) -> None:
     carried = VARIANTS_CARRIED.get(engine, ())
     variants = [key for key in VARIANT_FIELDS if config.get(key) and key not in carried]
     if variants:
-        why = "".join(f"; {key}: {VARIANT_REASONS[key]}" for key in variants if key in VARIANT_REASONS)
+        reasons = (
+            VARIANT_REASONS if engine == GGUF.name else {}
+        )  # llama.cpp's graph, read; the others carry none
+        why = "".join(f"; {key}: {reasons[key]}" for key in variants if key in reasons)
         raise VariantNotExpressed(
-            f"the head was imported from another pipeline and uses {', '.join(variants)}: variants of EAGLE-3 "
-            f"the {name} layout draftsmith writes does not express (it would run another function{why}). "
-            "Evaluate it with `draftsmith eval`, or export it with the pipeline that trained it."
+            f"the head uses {', '.join(variants)}: variants of EAGLE-3 the {name} layout draftsmith writes does "
+            f"not express (it would run another function{why}). Export it to vllm, which carries the EAGLE-3.1 "
+            "norms, evaluate it with `draftsmith eval`, or (a peer's head) export it with the pipeline that trained "
+            "it."
         )
 
 
@@ -180,9 +191,8 @@ def reference_weights(weights: dict[str, torch.Tensor], config: dict, engine: st
     """draftsmith EagleHead tensors → reference EAGLE-3 tensors for ``engine``: names mapped, fc's
     columns in ascending layer order, ``d2t`` as offsets (or left out where the engine wants none)."""
     unknown = sorted(set(weights) - set(NAME_MAP))
-    missing = sorted(
-        set(NAME_MAP) - set(weights) - ({"mask_hidden"} if config.get("mask_token_id") is None else set())
-    )
+    optional = {name for name, field in OPTIONAL_WEIGHTS.items() if not config.get(field)}
+    missing = sorted(set(NAME_MAP) - set(weights) - optional)
     if unknown or missing:
         raise ValueError(
             f"the EAGLE head's weights do not match the one-layer EAGLE-3 layout: unknown {unknown}, missing {missing}"
@@ -194,6 +204,9 @@ def reference_weights(weights: dict[str, torch.Tensor], config: dict, engine: st
     ):  # concatenated target states, like fc's input: blocks in the same order, [1, 1, n·H]
         _, mask = ascending_capture(config["capture_layer_ids"], out["mask_hidden"][None])
         out["mask_hidden"] = mask.view(1, 1, -1)
+    if "input_norm.weight" in out:  # an RMSNorm over fc's input: its blocks in fc's order
+        _, norm = ascending_capture(config["capture_layer_ids"], out["input_norm.weight"][None])
+        out["input_norm.weight"] = norm[0]
     d2t = weights["d2t"].long()
     if drops_vocab_map(config, engine):
         if not torch.equal(d2t, torch.arange(d2t.numel())):
@@ -252,7 +265,10 @@ def reference_config(config: dict, engine: str, dtype: torch.dtype) -> dict:
         out["mask_token_id"] = int(config["mask_token_id"])
     if engine == VLLM.name:
         out["eagle_aux_hidden_state_layer_ids"] = ids
-        out["norm_before_residual"] = False  # the residual is the fused feature before hidden_norm
+        # norm_before_residual written even when false (vLLM once read a missing one as true); the others when
+        # set (a missing one is false in vLLM, and a written norm_output false means SpecForge's unnormed read-out)
+        out["norm_before_residual"] = bool(config.get("norm_before_residual"))
+        out |= {key: True for key in ("norm_before_fc", "norm_output") if config.get(key)}
     else:
         out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
     out[SOURCE_KEY] = source_record(config, engine)
@@ -273,6 +289,8 @@ def source_record(config: dict, engine: str) -> dict:
     }
     if config.get("parallel_depths"):
         record["parallel_depths"] = config["parallel_depths"]
+    if any(config.get(key) for key in EAGLE31_NORMS):
+        record["norms"] = {key: bool(config.get(key)) for key in EAGLE31_NORMS}
     if trained != sorted(trained):
         record["trained_capture_layer_ids"] = trained
         record["fc"] = "column blocks permuted into ascending layer order"

@@ -97,6 +97,8 @@ def _eagle3_expected_shapes(c: dict, engine: str, layer: str = "midlayer.") -> d
     }
     if engine == SGLANG.name or c["draft_vocab_size"] != c["vocab_size"]:
         shapes |= {"d2t": (c["draft_vocab_size"],), "t2d": (c["vocab_size"],)}
+    if engine == VLLM.name and c.get("norm_before_fc"):  # vLLM's input_norm, one RMSNorm over fc's input
+        shapes["input_norm.weight"] = (3 * Ht,)
     if c.get("mask_token_id") is not None:  # P-EAGLE: vLLM raises without it under parallel drafting
         shapes["mask_hidden"] = (1, 1, 3 * Ht)
     return shapes
@@ -184,9 +186,18 @@ def verify_eagle3_engine(folder: Path, engine: str) -> list[str]:
             problems.append(
                 f"config field {key} missing or not an integer: the loader would fall back to a default"
             )
-    if engine == VLLM.name and config.get("norm_before_residual") is not False:
+    if engine == VLLM.name:
+        trained = (config.get("draftsmith_source") or {}).get("norms") or {}
+        written = {"norm_before_fc": False, "norm_output": False} | config  # vLLM's defaults of these two
+        for key in ("norm_before_residual", "norm_before_fc", "norm_output"):
+            if written.get(key) is not bool(trained.get(key)):
+                problems.append(
+                    f"{key} must be written as {str(bool(trained.get(key))).lower()} (the head was trained "
+                    f"{'with' if trained.get(key) else 'without'} it; vLLM reads a missing one as its own default)"
+                )
+    elif config.get("norm_before_fc") or config.get("norm_output"):
         problems.append(
-            "norm_before_residual must be false: the residual is the fused feature before hidden_norm"
+            f"{engine}'s EAGLE-3 loader reads no norm_before_fc or norm_output; this export sets one"
         )
     _check_layer_ids(config, engine, problems)
     _check_mask_token(config, config.get("vocab_size") or 0, problems)
