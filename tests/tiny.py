@@ -121,8 +121,26 @@ def train_debug_recipe(tmp_path, recipe: str, *overrides: str, layers: int = 4):
          "--trainer.max_steps=2", "--trainer.val_every=2", "--trainer.batch_size=4", *overrides],
     )  # fmt: skip
     result = train(config, enable_progress_bar=False)
-    assert result.steps == 2 and 1.0 <= result.val["tau"] <= 1.0 + config.trainer.val_k
+    assert result.steps == 2
+    check_validation_tau(result, config.trainer.val_k)
     return result, config
+
+
+def check_validation_tau(result, val_k: int) -> None:
+    """The run's final τ and α are those of the acceptance histogram its exported draft records (entry j:
+    verify steps of the held-out walk that accepted j of ``val_k`` drafted tokens), computed here from the
+    definitions, and that histogram counts some steps: a τ made up, mis-derived or measured on nothing fails."""
+    import json
+
+    import pytest
+
+    state = json.loads((result.draft_dir / "train_state.json").read_text())
+    histogram = state["histogram"]
+    steps = sum(histogram)
+    accepted = sum(j * n for j, n in enumerate(histogram))
+    assert state["step"] == result.steps and len(histogram) == val_k + 1 and steps > 0, state
+    assert result.val["tau"] == pytest.approx(1 + accepted / steps, abs=1e-9)
+    assert result.val["alpha"] == pytest.approx(accepted / (val_k * steps), abs=1e-9)
 
 
 def tiny_bpe_target_gguf(root):
