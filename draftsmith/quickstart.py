@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         f"  eval report:      {eval_dir / 'report.md'}\n"
         f"  training logs:    {run_dir / 'logs'} (CSV), {run_dir / 'tensorboard'} (TensorBoard)\n"
         f"  next:             draftsmith publish {run_dir} --repo-id ORG/NAME --dry-run\n"
-        f"                    draftsmith export {run_dir} --to gguf   (llama.cpp; or --to vllm|sglang|speculators)",
+        f"                    draftsmith export {run_dir} --to vllm   (vLLM carries the recipe's EAGLE-3.1 norms;\n"
+        f"                    llama.cpp all but norm_output: train with --draft.options.norm_output=false for --to gguf)",
         flush=True,
     )
     return 0

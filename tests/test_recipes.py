@@ -126,3 +126,20 @@ def test_recipe_starts_on_its_tiny_twin(tmp_path, recipe):
     assert head["draft_vocab_size"] == DRAFT_VOCAB and head["num_decoder_layers"] == 1
     if config.mode == "offline":
         assert any((tmp_path / "cache").rglob("*.safetensors")), "the offline recipe filled its feature cache"
+
+
+def test_every_shipped_eagle3_recipe_trains_the_default():
+    """The EAGLE-3 default (BENCHMARKS.md, "The EAGLE-3 recipe"): Muon and the three EAGLE-3.1 norms, in every
+    shipped EAGLE-3 recipe but the debug one (a path check exported to every engine); a fine-tuning recipe gets
+    the norms from the head it continues."""
+    for path in sorted(CONFIGS.glob("*.yaml")):
+        config = load_config(path)
+        if config.draft.kind != "eagle3" or path.name.startswith("debug_"):
+            continue
+        assert config.optim.name == "muon", path.name
+        options = config.draft.options
+        if options.get("init_from"):
+            continue
+        assert all(options.get(key) for key in ("norm_before_fc", "norm_output", "norm_before_residual")), (
+            path.name
+        )

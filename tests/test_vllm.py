@@ -6,6 +6,7 @@ model refused, and ``data regenerate --engine vllm`` killed with SIGKILL mid-run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -145,6 +146,16 @@ def real_target():
     return load_target(TARGET, device="cpu", dtype="float32")
 
 
+@contextlib.contextmanager
+def served_export(real_target, root, config: dict):
+    """(draft folder, server): ``root / "draft"`` exported --to vllm and served with the speculative ``config``."""
+    out = export_checkpoint(locate_checkpoint(str(root / "draft")), "vllm", root / "vllm")
+    with vllm.Server(
+        real_target.model.name_or_path, {**config, "model": str(out)}, log=root / "server.log", kv_cache_gib=1
+    ) as server:
+        yield root / "draft", server
+
+
 # Each served fixture is used by one test and scoped to it, so that only one ``vllm serve`` runs at a time:
 # held for the module, four servers (and the one a regenerate job starts) outgrew the machine's memory.
 @pytest.fixture
@@ -152,12 +163,8 @@ def medusa_served(real_target, tmp_path_factory):
     """A real ``vllm serve`` of the bundled target with Medusa heads exported by draftsmith."""
     root = tmp_path_factory.mktemp("vllm")
     make_medusa(real_target, root / "draft", shared=True)
-    out = export_checkpoint(locate_checkpoint(str(root / "draft")), "vllm", root / "vllm")
-    config = {"method": "medusa", "model": str(out), "num_speculative_tokens": 3}
-    with vllm.Server(
-        real_target.model.name_or_path, config, log=root / "server.log", kv_cache_gib=1
-    ) as server:
-        yield root / "draft", server
+    with served_export(real_target, root, {"method": "medusa", "num_speculative_tokens": 3}) as served:
+        yield served
 
 
 @pytest.fixture(params=[{}, {"num_layers": 2, "draft_vocab_size": 8192}], ids=["1-layer", "2-layer-8k"])
@@ -169,12 +176,8 @@ def dflash_served(real_target, tmp_path_factory, request):
 
     root = tmp_path_factory.mktemp("vllm_dflash")
     self_trained_dflash(real_target, root / "draft", **request.param)
-    out = export_checkpoint(locate_checkpoint(str(root / "draft")), "vllm", root / "vllm")
-    config = {"method": "dflash", "model": str(out), "num_speculative_tokens": 7}
-    with vllm.Server(
-        real_target.model.name_or_path, config, log=root / "server.log", kv_cache_gib=1
-    ) as server:
-        yield root / "draft", server
+    with served_export(real_target, root, {"method": "dflash", "num_speculative_tokens": 7}) as served:
+        yield served
 
 
 PEAGLE_DEPTHS = 6
@@ -206,6 +209,21 @@ def peagle_served(real_target, peagle_run, request):
         yield peagle_run / "draft", server
 
 
+EAGLE31 = {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}
+
+
+@pytest.fixture
+def eagle31_served(real_target, tmp_path_factory):
+    """vLLM serving an EAGLE-3 head with the EAGLE-3.1 norms (the shipped recipes' head), trained for a minute on
+    the target's own answers to the first dev prompts and exported by draftsmith."""
+    from tests.test_dflash import self_trained
+
+    root = tmp_path_factory.mktemp("vllm_eagle31")
+    self_trained("eagle3", real_target, root / "draft", ttt_steps=3, draft_vocab_size=8192, **EAGLE31)
+    with served_export(real_target, root, {"method": "eagle3", "num_speculative_tokens": 3}) as served:
+        yield served
+
+
 @pytest.fixture
 def plain_served(real_target, tmp_path_factory):
     with vllm.Server(
@@ -217,6 +235,17 @@ def plain_served(real_target, tmp_path_factory):
 def cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "draftsmith.cli", *argv], capture_output=True, text=True,
                           timeout=900)  # fmt: skip
+
+
+def served_beside_ours(draft, server, k: int, tmp_path) -> tuple[dict, dict]:
+    """(vLLM's acceptance, draftsmith's) of ``draft`` on the first 4 dev prompts, 48 new tokens, k draft tokens:
+    one ``draftsmith eval --server`` run."""
+    run = cli("eval", "--target", TARGET, "--draft", str(draft), "--server", server.url, "--prompts",
+              "builtin:dev_prompts", "--limit", "4", "--max-new-tokens", "48", "--k", str(k),
+              "--out", str(tmp_path / "eval"))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = json.loads((tmp_path / "eval" / "served.json").read_text())
+    return record["served"], next(iter(record["draftsmith"].values()))
 
 
 @pytest.mark.slow
@@ -239,13 +268,7 @@ def test_served_medusa_is_accepted_as_in_draftsmiths_decoder(medusa_served, tmp_
 @pytest.mark.slow
 @needs_vllm
 def test_served_dflash_is_accepted_as_in_draftsmiths_decoder(dflash_served, tmp_path):
-    draft, server = dflash_served
-    run = cli("eval", "--target", TARGET, "--draft", str(draft), "--server", server.url, "--prompts",
-              "builtin:dev_prompts", "--limit", "4", "--max-new-tokens", "48", "--k", "7",
-              "--out", str(tmp_path / "eval"))  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    record = json.loads((tmp_path / "eval" / "served.json").read_text())
-    served, ours = record["served"], next(iter(record["draftsmith"].values()))
+    served, ours = served_beside_ours(*dflash_served, 7, tmp_path)
     assert served["verify_steps_with_drafts"] > 10 and len(served["per_position"]) == 7
     # A minute of training leaves a DFlash draft on this target at its first plateau (one likely token at
     # every slot: BENCHMARKS.md, "Block drafters"), yet some of its drafts are accepted, by both engines alike;
@@ -272,6 +295,19 @@ def test_served_peagle_drafts_in_parallel_as_draftsmiths_decoder_does(peagle_ser
     assert served["tau"] > 1.2  # trained on these very answers
     assert served["per_position"][1] > 0  # a slot drafted in parallel, not only the real pair, was accepted
     assert served["tau"] == pytest.approx(ours["tau_drafting"], abs=0.03)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_served_eagle31_head_is_accepted_as_in_draftsmiths_decoder(eagle31_served, tmp_path):
+    """The EAGLE-3.1 norms mean in vLLM what they mean in draftsmith: the same acceptance, position by position
+    (an export that dropped norm_output or read the fused feature without input_norm would draft other tokens)."""
+    served, ours = served_beside_ours(*eagle31_served, 3, tmp_path)
+    assert served["verify_steps_with_drafts"] > 10 and len(served["per_position"]) == 3
+    assert ours["tau_drafting"] > 1.3  # trained on these very answers: the later steps are accepted too
+    assert served["tau"] == pytest.approx(ours["tau_drafting"], abs=0.03)
+    for theirs, mine in zip(served["per_position"], ours["per_position"]):
+        assert theirs == pytest.approx(mine, abs=0.03)
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""draftsmith's side: ``draftsmith train quickstart`` for the bench's token budget.
+"""draftsmith's side: ``draftsmith train`` of the sweep's base recipe (the quickstart's as the sweep began,
+``sweep_base.yaml``) for the bench's token budget.
 
 Run by bench/peer_training.py with the project's python. It does what the CLI does
 (``train/cli.py``: ``load_config`` of the recipe with dotted overrides, then ``train``) in this
@@ -37,19 +38,22 @@ import lightning as L
 import torch
 from driver import driver_args, record_steps, write_result
 
-from draftsmith.train.config import load_config, resolve_recipe
+from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
 from draftsmith.train.objective import Batch
 from draftsmith.train.peer_inputs import draftsmith_dflash_draft
 
+SWEEP_BASE = Path(__file__).with_name("sweep_base.yaml")
+"""The quickstart recipe as the sweep began, frozen (its header says why)."""
+
 
 def recipe(draft: str, out) -> str:
-    """The quickstart recipe, or for DFlash a copy of it with the bench's DFlash draft."""
+    """The sweep's base recipe (``SWEEP_BASE``), or for DFlash a copy of it with the bench's DFlash draft."""
     if draft != "dflash":
-        return "quickstart"
+        return str(SWEEP_BASE)
     import yaml
 
-    data = yaml.safe_load(resolve_recipe("quickstart").read_text())
+    data = yaml.safe_load(SWEEP_BASE.read_text())
     data["draft"] = draftsmith_dflash_draft()
     path = out / "recipe.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
