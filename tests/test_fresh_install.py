@@ -13,6 +13,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 READ_GUARD = """
@@ -90,7 +91,8 @@ def test_the_wheel_runs_outside_the_repository_and_finds_recipes_and_data(fresh)
     assert "train" in run(draftsmith, "--help", cwd=work, env=env)
     assert "config keys" in run(draftsmith, "train", "--help", cwd=work, env=env)
     recipe = "from draftsmith.train.config import load_config; print(load_config('configs/quickstart.yaml').trainer.max_steps, load_config('quickstart', presets=['ddp']).trainer.strategy)"
-    assert run(python, "-c", recipe, cwd=work, env=env).split() == ["200", "ddp"]
+    shipped = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())["trainer"]["max_steps"]
+    assert run(python, "-c", recipe, cwd=work, env=env).split() == [str(shipped), "ddp"]  # the wheel's own copy
     listing = run(draftsmith, "data", "list", cwd=work, env=env)
     assert "builtin:dev_prompts" in listing and "1,194 records" in listing
     assert str(python.parents[1]) in listing and str(ROOT) not in listing
