@@ -92,7 +92,8 @@ def test_the_wheel_runs_outside_the_repository_and_finds_recipes_and_data(fresh)
     assert "config keys" in run(draftsmith, "train", "--help", cwd=work, env=env)
     recipe = "from draftsmith.train.config import load_config; print(load_config('configs/quickstart.yaml').trainer.max_steps, load_config('quickstart', presets=['ddp']).trainer.strategy)"
     shipped = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())["trainer"]["max_steps"]
-    assert run(python, "-c", recipe, cwd=work, env=env).split() == [str(shipped), "ddp"]  # the wheel's own copy
+    # the wheel's own copy of the recipe, as shipped
+    assert run(python, "-c", recipe, cwd=work, env=env).split() == [str(shipped), "ddp"]
     listing = run(draftsmith, "data", "list", cwd=work, env=env)
     assert "builtin:dev_prompts" in listing and "1,194 records" in listing
     assert str(python.parents[1]) in listing and str(ROOT) not in listing

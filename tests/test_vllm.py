@@ -220,7 +220,9 @@ def eagle31_served(real_target, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("vllm_eagle31")
     # lr 1e-3: at the fixture's 3e-3 the normed head stalls at the first plateau (walk τ 1.06 against 2.38)
-    self_trained("eagle3", real_target, root / "draft", ttt_steps=3, draft_vocab_size=8192, lr=1e-3, **EAGLE31)
+    self_trained(
+        "eagle3", real_target, root / "draft", ttt_steps=3, draft_vocab_size=8192, lr=1e-3, **EAGLE31
+    )
     with served_export(real_target, root, {"method": "eagle3", "num_speculative_tokens": 3}) as served:
         yield served
 
