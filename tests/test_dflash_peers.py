@@ -70,6 +70,7 @@ EXPORT_FOR = {"specforge": "sglang", "speculators": "speculators"}
 vllm`` write), speculators' DFlashSpeculator."""
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("peer", list(EXPORT_FOR))
 def test_the_peers_dflash_class_reads_our_export_and_gives_our_logits(exported, peer):
     root, outs, ours, target = exported
@@ -96,6 +97,7 @@ def tiny_llama(tmp_path_factory):
     return root, tiny_target("llama", layers=6)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("peer", ["specforge", "speculators"])
 def test_a_dflash_draft_the_peer_saved_reads_as_the_peers_forward(tiny_llama, peer, tmp_path):
     """The peer builds and saves a DFlash draft with its own class (random weights, norms off one); draftsmith

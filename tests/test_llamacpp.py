@@ -26,9 +26,12 @@ from draftsmith.export import export_checkpoint
 from draftsmith.export import gguf as gguf_export
 from draftsmith.export.verify import verify_export
 
-pytestmark = pytest.mark.skipif(
-    not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})"
-)
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(
+        not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})"
+    ),
+]
 
 TEXTS = [
     "  #",  # GPT-2's regex keeps "  " apart from "#"; llama.cpp's default pre-tokenizer does not

@@ -21,9 +21,12 @@ from draftsmith.export import export_checkpoint
 from draftsmith.export import gguf as gguf_export
 from draftsmith.export.verify import verify_export
 
-pytestmark = pytest.mark.skipif(
-    not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})"
-)
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(
+        not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})"
+    ),
+]
 
 BLOCK = 8
 N = 24

@@ -446,6 +446,7 @@ def test_gguf_of_an_imported_head_is_the_gguf_of_the_head(tiny, tmp_path):
         assert (t.data == tensors[t.name]).all(), t.name
 
 
+@pytest.mark.engine
 @pytest.mark.skipif(
     not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})"
 )
@@ -499,6 +500,7 @@ def peer_head(request, tiny):
     return peer, out / "head", load_file(str(out / "io.safetensors"))
 
 
+@pytest.mark.engine
 def test_draftsmith_reads_the_peers_head_as_the_peers_own_forward_runs_it(peer_head, tiny):
     peer, folder, io = peer_head
     head = import_head(tiny["target"], folder)
@@ -515,6 +517,7 @@ def test_draftsmith_reads_the_peers_head_as_the_peers_own_forward_runs_it(peer_h
         assert torch.allclose(ours[j][:, : theirs.shape[1]], theirs, atol=1e-5), (peer, j)
 
 
+@pytest.mark.engine
 def test_without_the_peers_variant_the_logits_differ(peer_head, tiny, monkeypatch):
     """The check above can fail: read as a plain EAGLE-3 head, a variant head computes something else."""
     peer, folder, io = peer_head
@@ -538,6 +541,7 @@ def _without_fc_norm(tensors, layout, n_layers):
     return _head_state({k: v for k, v in tensors.items() if k != "input_norm.weight"}, layout, n_layers, {})
 
 
+@pytest.mark.engine
 def test_greedy_decoding_with_the_peers_head_is_the_targets_own(peer_head, tiny):
     peer, folder, _ = peer_head
     target = tiny["target"]
@@ -558,10 +562,12 @@ def specforge_gguf(peer_head, tiny, tmp_path) -> Path:
     return gguf_file
 
 
+@pytest.mark.engine
 def test_specforges_head_exports_to_gguf(peer_head, tiny, tmp_path):
     specforge_gguf(peer_head, tiny, tmp_path)
 
 
+@pytest.mark.engine
 @pytest.mark.skipif(
     not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})"
 )

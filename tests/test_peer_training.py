@@ -152,6 +152,7 @@ def test_layouts_read_back(tmp_path):
     assert torch.load(sp / "token_freq.pt") == {4: 1, 5: 1, 6: 1, 7: 1, 9: 1}
 
 
+@pytest.mark.engine
 def test_specforge_stand_in_loss_is_the_kernels_loss():
     """bench/peers/specforge_run.py's torch LogSoftmaxLoss against the sum its Triton kernels compute, by hand."""
     code = """
@@ -186,6 +187,7 @@ def run_in_peer(peer: str, code: str) -> str:
     return done.stdout
 
 
+@pytest.mark.engine
 def test_specforge_reads_its_layout(tmp_path):
     write_layouts(tmp_path)
     code = f"""
@@ -202,6 +204,7 @@ print("ok")
     assert "ok" in run_in_peer("specforge", code)
 
 
+@pytest.mark.engine
 def test_speculators_reads_its_layout(tmp_path):
     write_layouts(tmp_path)
     code = f"""
@@ -220,6 +223,7 @@ print("ok")
     assert "ok" in run_in_peer("speculators", code)
 
 
+@pytest.mark.engine
 def test_modelopt_driver_batches_and_calibrates(tmp_path):
     write_layouts(tmp_path)
     code = f"""
@@ -370,6 +374,7 @@ def test_each_run_of_a_sweep_is_judged_on_the_heldout_rows_once_right_after_it_t
     assert judged == ["draftsmith-new", "draftsmith-kept"]
 
 
+@pytest.mark.engine
 def test_each_peer_takes_its_own_settings_and_refuses_a_misspelt_one():
     """The words --setting passes reach each peer's own config, and a key the peer does not have stops the run
     (ModelOpt's load_recipe would take one silently: its driver checks)."""
@@ -414,6 +419,7 @@ except SystemExit as e:
     assert "refused --override training.learning_rat" in run_in_peer("modelopt", modelopt)
 
 
+@pytest.mark.engine
 def test_each_peer_takes_a_seed_in_its_own_words():
     """The seed key bench/peer_training.py gives each pipeline reaches the peer's config (ModelOpt's recipe has
     none: its driver takes ``seed`` for the draft's initialisation and the Trainer's data order)."""
@@ -455,6 +461,7 @@ print(modelopt_run.training_arguments(training, None).seed, modelopt_run.trainin
     assert run_in_peer("modelopt", modelopt).split()[-2:] == ["42", "2"]
 
 
+@pytest.mark.engine
 def test_specforge_reads_its_dflash_layout(tmp_path):
     """--draft dflash: SpecForge's DFlash record (the tapped states as ``hidden_states``), read by its own reader and
     normalizer; the bench passes the draft kind to every driver."""
@@ -532,6 +539,7 @@ def test_a_runs_provenance_is_taken_as_it_starts(tmp_path, monkeypatch):
     assert results["draftsmith-x"]["provenance"] == {"commit": "a", "seed": 3}
 
 
+@pytest.mark.engine
 def test_specforge_evaluates_once_at_its_last_step_whatever_its_batch():
     """Its held-out evaluation fires every eval_interval steps: with 4 conversations a step the last step is
     the 3rd of 10 conversations, not the 10th (the sweep's first batch-4 run logged no held-out metrics)."""

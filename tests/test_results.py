@@ -160,3 +160,14 @@ def test_a_changed_or_unsourced_figure_is_caught():
     unsourced = text + "\nThe new head reaches 1.52× the target alone.\n"
     assert any("1.52×" in p for p in readme_problems(unsourced))
     assert any("2.03" in p for p in readme_problems(text.replace(UNTRACEABLE, "reproducible")))
+
+
+def test_ci_runs_the_readme_test_command_with_both_engines():
+    """CI (``.ci/run``) runs README's test command verbatim, and that command installs the llama.cpp and vLLM
+    extras before pytest, so the engine tests run in CI instead of skipping."""
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"^# the tests.*\n(.+)$", readme, flags=re.M).group(1)
+    assert command in (ROOT / ".ci" / "run").read_text().splitlines()
+    steps = command.split(" && ")
+    assert steps[0] == "bash scripts/setup.sh" and steps[-1].startswith(".venv/bin/python -m pytest")
+    assert {"bash scripts/install_llamacpp.sh", "bash scripts/install_vllm.sh"} <= set(steps[1:-1])

@@ -22,6 +22,7 @@ from draftsmith.train.corpus.prompts import first_user_turns
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.engine,
     pytest.mark.skipif(
         not llamacpp.available(), reason=f"llama.cpp is not built (optional extra: {llamacpp.INSTALL})"
     ),

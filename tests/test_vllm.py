@@ -133,9 +133,15 @@ def test_eagle1_is_refused_for_vllm_naming_its_loader(tmp_path):
 
 # --- a real vLLM -------------------------------------------------------------------------------------
 
-needs_vllm = pytest.mark.skipif(
-    not vllm.available(), reason=f"vLLM is not installed (optional extra: {vllm.INSTALL})"
-)
+
+def needs_vllm(test):
+    """A test of a real vLLM: the ``engine`` tier, skipped where the extra is not installed."""
+    skip = pytest.mark.skipif(
+        not vllm.available(), reason=f"vLLM is not installed (optional extra: {vllm.INSTALL})"
+    )
+    return pytest.mark.engine(skip(test))
+
+
 TARGET = "smollm2-135m-instruct"
 
 
