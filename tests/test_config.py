@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -139,6 +141,68 @@ def test_a_negative_learning_rate_fails_before_anything_is_written(tmp_path, cap
     assert main(["train", str(recipe), f"--output.dir={out}", "--optim.lr=-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "optim.lr=-1: Input should be greater than 0" in err
+    assert not out.exists()
+
+
+def _holds_float(tp) -> bool:
+    """Whether a field's type takes a float anywhere in it (``float``, ``float | None``, a tuple of ranges)."""
+    return tp is float or any(_holds_float(a) for a in typing.get_args(tp))
+
+
+def _float_keys() -> list[tuple[str, str, int]]:
+    """(kind or "", dotted key, tuple length or 0) of every float a recipe takes: the sections' and each
+    trainable kind's ``draft.options``."""
+    from draftsmith.train.registry import options_class
+
+    keys = []
+    for name, section in TrainConfig.__pydantic_fields__.items():
+        if dataclasses.is_dataclass(section.annotation):
+            for key, info in section.annotation.__pydantic_fields__.items():
+                if _holds_float(info.annotation):
+                    tuple_of = (
+                        typing.get_args(info.annotation)
+                        if typing.get_origin(info.annotation) is tuple
+                        else ()
+                    )
+                    keys.append(("", f"{name}.{key}", len(tuple_of)))
+    for kind in objective_kinds():
+        cls = options_class(kind)
+        for key, info in (cls.__pydantic_fields__ if cls is not None else {}).items():
+            if _holds_float(info.annotation):
+                keys.append((kind, f"draft.options.{key}", 0))
+    return keys
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_no_float_key_takes_a_number_that_is_not_finite(value):
+    """Every float of a recipe, present and future, refuses infinity and NaN naming its key (one rule for
+    all of them: ``schema.SECTION``), whatever its range would let through."""
+    keys = _float_keys()
+    assert {"optim.lr", "optim.weight_decay", "optim.grad_clip", "trainer.max_time"} <= {
+        k for _, k, _ in keys
+    }
+    assert any(kind for kind, _, _ in keys)  # the kinds' options are walked too
+    for kind, key, size in keys:
+        given = f"[{', '.join([value] * size)}]" if size else value
+        with pytest.raises(ValueError, match=rf"{re.escape(key)}.*finite number"):
+            config = load_config(None, [PATHS, f"--draft.kind={kind or 'eagle3'}", f"--{key}={given}"])
+            check_objective_options(config.draft.kind, config.draft.options)
+
+
+def test_an_infinite_learning_rate_fails_in_one_line_before_anything_is_written(tmp_path, capsys):
+    recipe = write(tmp_path, "data: {paths: [builtin:gsm8k_train]}\n")
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        str(recipe),
+        f"--output.dir={out}",
+        "--trainer.max_steps=1",
+        "--data.limit=8",
+        "--data.heldout=2",
+    ]
+    assert main([*argv, "--optim.lr=.inf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "optim.lr=inf: Input should be a finite number" in err
     assert not out.exists()
 
 

@@ -30,8 +30,12 @@ from pydantic.fields import FieldInfo
 from draftsmith.drafts.base import EAGLE3
 from draftsmith.train.registry import objective_kinds, options_class, unknown_key
 
-SECTION = ConfigDict(extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True)
-"""Every section: unknown keys are errors, field docstrings are descriptions, YAML numbers may be text."""
+SECTION = ConfigDict(
+    extra="forbid", use_attribute_docstrings=True, coerce_numbers_to_str=True, allow_inf_nan=False
+)
+"""Every section (and every kind's ``draft.options``): unknown keys are errors, field docstrings are
+descriptions, YAML numbers may be text, and a float is finite (``.inf`` and ``.nan`` are refused, whatever
+its range says)."""
 
 Paths = Annotated[list[str], BeforeValidator(lambda v: [v] if isinstance(v, str) else v)]
 """A list of paths; a single path is a list of one."""
