@@ -3,8 +3,10 @@ folder, a full disk. Each run is compared with a straight run, bit for bit, afte
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,13 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_loop import tiny_target_dir  # noqa: F401 (fixture)
+from safetensors.torch import load_file
+from test_loop import LinearHead, conversations, tiny_target_dir  # noqa: F401 (fixtures)
 from test_resume import RUN, WORKER, final_weights, run_worker, uniform_conversations  # noqa: F401
 
 from draftsmith import files
 from draftsmith.cli import main
 from draftsmith.train.checkpoint import last_checkpoint
 from draftsmith.train.faults import LOCK_NAME, FolderInUseError, OutputLock
+from draftsmith.train.registry import register_objective
 
 
 def start_paused(folder: Path, step: int | str, *args) -> tuple[subprocess.Popen, Path]:
@@ -258,3 +262,78 @@ def test_a_cut_short_checkpoint_is_named_before_the_target_loads(
     config = make_config(tiny_target_dir, uniform_conversations, out, *RUN)
     with pytest.raises(ValueError, match=rf"{re.escape(str(ckpt))} is cut short or corrupt.*Copy it again"):
         train(config, resume=True, target="never loaded", enable_progress_bar=False)
+
+
+class PoisonedHead(LinearHead):
+    """test_loop's linear head, whose optimizer step ``at`` turns non-finite: its loss (``what="loss"``), its
+    gradient alone, the loss staying finite (``"grad"``: d sqrt(|x|)/dx at 0), or a weight alone, the loss
+    and the gradient staying finite (``"weight"``: set to infinity once its gradient is in)."""
+
+    kind = "test-poisoned"
+
+    def __init__(self, target, what: str = "loss", at: int = 3, token_counts=None):
+        super().__init__(target, token_counts=token_counts)
+        self.what, self.at, self.calls = what, at, 0
+
+    def loss(self, draft, batch, teacher):
+        out = super().loss(draft, batch, teacher)
+        if not draft.training:
+            return out
+        self.calls += 1
+        if self.calls == self.at and self.what == "loss":
+            out["loss"] = out["loss"] * float("nan")
+        elif self.calls == self.at and self.what == "grad":
+            out["loss"] = out["loss"] + torch.sqrt((draft.weight - draft.weight.detach()).abs().sum())
+        elif self.calls == self.at and self.what == "weight":
+
+            def poison(weight: torch.Tensor) -> None:
+                weight.data.fill_(float("inf"))
+                handle.remove()
+
+            handle = draft.weight.register_post_accumulate_grad_hook(poison)
+        return out
+
+
+register_objective("test-poisoned")(
+    lambda target, options, counts: PoisonedHead(target, token_counts=counts, **options)
+)
+
+
+@pytest.mark.parametrize(
+    "what, said",
+    [
+        ("loss", "the training loss turned nan at optimizer step 3"),
+        ("grad", "the gradient of draft.weight turned non-finite at optimizer step 3"),
+        ("weight", "weight draft.weight turned non-finite at optimizer step 3"),
+    ],
+)
+def test_a_loss_gradient_or_weight_that_turns_non_finite_stops_the_run_and_nothing_non_finite_is_saved(
+    what,
+    said,
+    tiny_target_dir,
+    conversations,
+    tmp_path,
+    capsys,  # noqa: F811
+):
+    out = tmp_path / "run"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"draft: {{kind: test-poisoned, options: {{what: {what}, at: 3}}}}\n")
+    overrides = [
+        f"--target.spec={tiny_target_dir}", "--target.device=cpu", f"--data.paths=[{conversations}]",
+        "--data.max_length=48", "--data.heldout=4", "--optim.lr=0.1", "--trainer.batch_size=4",
+        "--trainer.accelerator=cpu", "--trainer.max_steps=6", "--trainer.ckpt_every=2", "--trainer.val_every=2",
+        "--trainer.loggers=csv", f"--output.dir={out}",
+    ]  # fmt: skip
+    assert main(["train", str(recipe), *overrides]) == 2  # never exit 0
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    last = out / "checkpoints" / "last.ckpt"
+    assert err.startswith(f"draftsmith train: error: training stopped: {said}, and nothing of that step"), err
+    assert f"the last good checkpoint, {last}, is kept" in err, err
+    again = shlex.join(["draftsmith", "train", str(recipe), *overrides, "--resume"])
+    assert err.endswith(f"continue with: {again} --force-resume"), err
+    saved = torch.load(last, weights_only=True)
+    assert saved["global_step"] == 2
+    assert all(torch.isfinite(t).all() for t in saved["state_dict"].values())
+    exported = load_file(str(out / "draft" / "model.safetensors"))  # the export of the step-2 validation
+    assert all(torch.isfinite(t).all() for t in exported.values())
+    assert json.loads((out / "draft" / "train_state.json").read_text())["step"] == 2

@@ -13,6 +13,8 @@
 - ``next_step``: what a stopped run kept and the command that goes on from it: ``--resume`` once a
   checkpoint exists, a plain rerun before (which reuses the finished shards of an offline cache).
 - ``disk_full_error``: a failed write on a full disk, said as such, with what was kept.
+- ``FiniteGuard``: a loss, gradient or weight that turns infinite or NaN stops the run at that optimizer step,
+  before anything of it is checkpointed or exported (``NonFiniteError``, said with ``nonfinite_line``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import time
 from pathlib import Path
 
 import lightning as L
+import torch
 
 from draftsmith.files import DiskFullError
 from draftsmith.train.checkpoint import DRAFT_DIR, last_checkpoint
@@ -270,3 +273,80 @@ def _chain(err: BaseException):
     while err is not None:
         yield err
         err = err.__cause__ or err.__context__
+
+
+class NonFiniteError(ValueError):
+    """Training met a loss, gradient or weight that is not finite (``what`` says which) at optimizer step
+    ``step``; nothing of that step was saved."""
+
+    def __init__(self, what: str, step: int):
+        super().__init__(f"{what} at optimizer step {step}")
+        self.what, self.step = what, step
+
+
+def nonfinite_line(err: NonFiniteError, kept: str, go_on: str, lr: float) -> str:
+    """The one line a run stopped by a non-finite value ends with (``kept``, ``go_on``: from ``next_step``;
+    a resume with a changed recipe needs ``--force-resume``)."""
+    force = " --force-resume" if go_on.startswith("continue") else ""
+    return (
+        f"training stopped: {err.what} at optimizer step {err.step}, and nothing of that step was saved; {kept}. "
+        f"With a lower optim.lr (now {lr:g}) or more optim.warmup_steps, {go_on}{force}"
+    )
+
+
+def _first_bad(tensors: list[torch.Tensor]) -> int | None:
+    """The index of the first tensor with an infinite or NaN entry, or None; one device sync for all."""
+    if not tensors:
+        return None
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors]).cpu()
+    return None if bool(finite.all()) else int((~finite).nonzero()[0])
+
+
+class FiniteGuard(L.Callback):
+    """Stop at the first optimizer step whose loss, gradient or updated weights are not finite.
+
+    The micro-batches' losses and the gradients are checked before the optimizer steps, the trainable
+    weights after it, before the checkpoint and the validation's export of that step (Lightning runs
+    checkpoint callbacks last). Ranks agree, so all of them stop at the same step. Under a gradient scaler
+    (16-mixed) an infinite gradient is the scaler's to skip, so only the loss and the weights are checked.
+    """
+
+    def __init__(self):
+        self._losses: list[torch.Tensor] = []
+        self._step_at_start = -1
+
+    def on_train_batch_start(self, trainer: L.Trainer, module, batch, batch_idx: int) -> None:
+        self._step_at_start = trainer.global_step
+
+    def on_before_backward(self, trainer: L.Trainer, module, loss: torch.Tensor) -> None:
+        self._losses.append(loss.detach())
+
+    def _stop_if(self, trainer: L.Trainer, what: str | None, step: int) -> None:
+        if trainer.strategy.reduce_boolean_decision(what is not None, all=False):
+            raise NonFiniteError(what or "a value on another rank turned non-finite", step)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module, optimizer) -> None:
+        losses, self._losses = self._losses, []
+        grads: list[tuple[str, torch.Tensor]] = []
+        if getattr(trainer.precision_plugin, "scaler", None) is None:
+            names = {id(p): name for name, p in module.named_parameters()}
+            grads = [(names.get(id(p), "a parameter"), p.grad) for group in optimizer.param_groups
+                     for p in group["params"] if p.grad is not None]  # fmt: skip
+        i = _first_bad(losses + [g for _, g in grads])
+        what = None
+        if i is not None:
+            turned = f"turned {float(losses[i]):g}" if i < len(losses) else None
+            what = (
+                f"the training loss {turned}"
+                if turned
+                else f"the gradient of {grads[i - len(losses)][0]} turned non-finite"
+            )
+        self._stop_if(trainer, what, trainer.global_step + 1)
+
+    def on_train_batch_end(self, trainer: L.Trainer, module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step == self._step_at_start:  # mid-accumulation: the weights did not move
+            return
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        i = _first_bad([p for _, p in named])
+        what = None if i is None else f"weight {named[i][0]} turned non-finite"
+        self._stop_if(trainer, what, trainer.global_step)

@@ -49,11 +49,14 @@ from draftsmith.train.distributed import (
     target_device,
 )
 from draftsmith.train.faults import (
+    FiniteGuard,
+    NonFiniteError,
     OutputLock,
     Preemption,
     Stopped,
     disk_full_error,
     next_step,
+    nonfinite_line,
     stop_on_signals,
     stopped_line,
 )
@@ -230,7 +233,9 @@ def train(
     checkpoint at the next step and stop with 128 + the signal, printing ``resume_command`` (default:
     ``draftsmith train <output.dir>/config.yaml --resume``); outside the training steps they stop at once.
     A stop or a full disk before the first checkpoint prints ``rerun_command`` instead (default:
-    ``draftsmith train <output.dir>/config.yaml``), the command that works then.
+    ``draftsmith train <output.dir>/config.yaml``), the command that works then. A loss, gradient or weight
+    that turns infinite or NaN stops the run at that step (``NonFiniteError``) with one line naming the step
+    and the last good checkpoint; nothing non-finite is checkpointed or exported.
     """
     output_dir = Path(config.output.dir)
     check_shard_target(config, planned_rank(config.trainer)[2])
@@ -267,6 +272,13 @@ def train(
         if rank == 0:
             print(stopped_line(stop.signum, *next_step(output_dir, resume_command, rerun_command, cache_dir)),
                   flush=True)  # fmt: skip
+        raise
+    except NonFiniteError as err:  # stopped before that step saved anything: the line names what is kept
+        err.args = (
+            nonfinite_line(
+                err, *next_step(output_dir, resume_command, rerun_command, cache_dir), config.optim.lr
+            ),
+        )
         raise
     except (OSError, RuntimeError) as err:
         kept, go_on = next_step(output_dir, resume_command, rerun_command, cache_dir)
@@ -360,6 +372,7 @@ def _train_locked(
     preemption = Preemption(lambda trainer: trainer.save_checkpoint(last) or last, resume_command)
     callbacks = [
         ExactResume(train_loader.sampler, objective),
+        FiniteGuard(),  # a non-finite loss, gradient or weight stops the run before its step is saved
         preemption,
         *trainer_overrides.pop("callbacks", []),
     ]

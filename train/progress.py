@@ -35,3 +35,6 @@ class StepProgress(L.Callback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+    def on_exception(self, trainer, module, exception) -> None:
+        self.on_train_end(trainer, module)  # closed before the error's line is printed, not after it
