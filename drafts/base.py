@@ -255,6 +255,11 @@ def kind_of_config(config: dict) -> DraftKind:
 
 DRAFT_FIX = "Copy or download the draft again (a training run writes draft/ anew when resumed with --resume)"
 """What to do about a draft directory with a partial or corrupt file (``files.check_model_files``)."""
+NONFINITE_FIX = (
+    "Its training diverged and it cannot draft anything; train it again with a lower optim.lr (training stops at "
+    "its first non-finite step, keeping the last good checkpoint), or use an earlier draft"
+)
+"""What to do about a draft with an infinite or NaN weight (``files.check_finite``)."""
 
 
 def draft_dir_of(path: str | Path) -> Path:
@@ -290,12 +295,13 @@ def check_is_draft(folder: str | Path, config: dict, what: str = "--draft") -> N
 
 
 def check_draft_files(spec: str) -> None:
-    """Refuse a ``--draft`` that names a local draft (or run) directory with a partial or corrupt file, or one
-    that holds no draft (``check_is_draft``), before a target loads for it (minutes for a real one); a
-    training-free spec or a Hub id is checked when built."""
+    """Refuse a ``--draft`` that names a local draft (or run) directory with a partial or corrupt file, one
+    that holds no draft (``check_is_draft``) or a non-finite weight, before a target loads for it (minutes for
+    a real one); a training-free spec or a Hub id is checked when built."""
     if Path(spec).is_dir():
         folder = draft_dir_of(spec)
         check_is_draft(folder, read_draft_config(folder))
+        files.check_finite(folder, NONFINITE_FIX)
 
 
 def kind_of_checkpoint(path: str | Path) -> DraftKind:
@@ -372,4 +378,5 @@ def build_drafter(spec: str, target: Target) -> Drafter:
         )
     config = read_draft_config(spec)
     check_is_draft(spec, config)
+    files.check_finite(spec, NONFINITE_FIX)  # a draft whose training diverged drafts nothing
     return kind_of_config(config).build(target, spec)

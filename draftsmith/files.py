@@ -418,6 +418,37 @@ def check_model_files(directory: str | Path, fix: str) -> Path:
     return directory
 
 
+def nonfinite_tensor(directory: str | Path) -> tuple[Path, str, int] | None:
+    """The first tensor of a saved model directory (its ``*.safetensors``) with an infinite or NaN entry, as
+    (file, tensor name, how many such entries), or None when every floating-point tensor is finite. Reads
+    one tensor at a time."""
+    import torch
+    from safetensors import safe_open
+
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as weights:
+            for name in weights.keys():  # noqa: SIM118 (a safe_open handle is no dict)
+                tensor = weights.get_tensor(name)
+                if not tensor.is_floating_point():
+                    continue
+                finite = torch.isfinite(tensor if tensor.element_size() > 1 else tensor.float())  # float8 too
+                if not bool(finite.all()):
+                    return path, name, int((~finite).sum())
+    return None
+
+
+def check_finite(directory: str | Path, fix: str) -> Path:
+    """Refuse a saved model directory with a non-finite tensor (``nonfinite_tensor``): one ``ValueError``
+    naming the file, the tensor and ``fix``, before anything is written or decoded from it."""
+    found = nonfinite_tensor(directory)
+    if found is not None:
+        path, name, count = found
+        raise ValueError(
+            f"{path} holds a tensor that is not finite: {name} has {count:,} inf or NaN entries. {fix}."
+        )
+    return Path(directory)
+
+
 def checkpoint_problem(path: str | Path) -> str | None:
     """What is wrong with a ``torch.save`` file (a Lightning ``.ckpt``), or None if it reads as whole.
 

@@ -10,11 +10,13 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tiny import tiny_model, tiny_target, tiny_tokenizer
 
 from draftsmith.cli import main
 from draftsmith.drafts.eagle import EagleConfig, EagleHead
 from draftsmith.drafts.eagle_parts import build_vocab_map
+from draftsmith.drafts.engines import export_engines
 
 PROMPTS = [{"question_id": 1, "category": "chat", "turns": ["Tell me about cats."]}]
 
@@ -83,6 +85,35 @@ def test_a_damaged_draft_is_one_line_naming_the_file_and_nothing_is_written(
     assert first.startswith(f"draftsmith {name.split('-')[0]}: error: {run / 'draft' / file} ")
     assert said in first and "again" in first  # what is wrong, and what to do
     assert not out.exists() and not list(tmp_path.glob(".out*"))  # no export, no half of one
+
+
+def poison(weights_file, name: str) -> None:
+    """Two entries of the tensor ``name`` not finite (a NaN and a -inf), as a diverged training leaves them."""
+    tensors = load_file(str(weights_file))
+    flat = tensors[name].view(-1)
+    flat[0], flat[1] = float("nan"), float("-inf")
+    save_file(tensors, str(weights_file), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("name", ["eval", *(f"export-{e.name}" for e in export_engines())])
+def test_a_draft_with_a_non_finite_tensor_is_refused_naming_the_tensor_and_nothing_is_written(
+    work, tmp_path, monkeypatch, capsys, name
+):
+    """Every exporter and eval refuse a draft whose training diverged, before any engine or decoder takes it."""
+    monkeypatch.chdir(work)
+    run = tmp_path / "run"
+    shutil.copytree(work / "run", run)
+    weights = run / "draft" / "model.safetensors"
+    tensor = sorted(n for n, t in load_file(str(weights)).items() if t.is_floating_point())[0]
+    poison(weights, tensor)
+    out = tmp_path / "out"
+    assert main(command(name, run, out)) == 2
+    first = error_line(capsys.readouterr().err)
+    assert first.startswith(
+        f"draftsmith {name.split('-')[0]}: error: {weights} holds a tensor that is not finite: "
+    )
+    assert f"{tensor} has 2 inf or NaN entries" in first and "train it again" in first
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
 
 
 def test_a_cut_short_target_names_its_file_before_anything_runs(work, tmp_path, monkeypatch, capsys):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
-from draftsmith.drafts.base import PEER_DFLASH
+from draftsmith.drafts.base import NONFINITE_FIX, PEER_DFLASH
 from draftsmith.drafts.engines import Engine, export_engines
 from draftsmith.export.engines import ExportOptions, engine_of, is_single_file, refuse, writer_of
 from draftsmith.export.verify import ExportVerificationError, verify_export
@@ -130,9 +130,11 @@ def export_checkpoint(
 
     What an export killed midway left beside ``out`` (hidden ``.NAME.tmp-*`` / ``.NAME.old-*`` copies of a
     whole export) is removed first, as a training run removes its partial checkpoints. ``out`` is replaced
-    whole; the command line checks first that replacing it was asked for (``check_out``).
+    whole; the command line checks first that replacing it was asked for (``check_out``). A draft with an
+    infinite or NaN tensor is refused, naming it, before anything is written.
     """
     record = engine_of(engine)
     files.remove_stale(out.parent, out.name)
     refuse(ckpt.kind, record)  # the kind's record and the engine's say whether it takes the draft
+    files.check_finite(ckpt.draft_dir, NONFINITE_FIX)  # no engine is handed a draft of NaN weights
     return writer_of(ckpt.kind, record)(ckpt, out, ExportOptions(gguf_dtype, target_gguf))
