@@ -26,18 +26,26 @@ BASE = "draftsmith-r45base"
 KEEPER = "draftsmith-r45norms"
 DEFAULT_SETTING = ["trainer.batch_size=1", "optim.name=muon", "draft.options.norm_before_fc=true",
                    "draft.options.norm_output=true", "draft.options.norm_before_residual=true"]  # fmt: skip
-CHANGES = {
-    "r45base": "none: draftsmith's Muon point (trainer.batch_size=1, optim.name=muon), this machine",
-    "r45norms": "EAGLE-3.1 norms: norm_before_fc + norm_output + norm_before_residual",
-    "r45fcres": "llama.cpp's two of them: norm_before_fc + norm_before_residual (no norm_output)",
-    "r45out": "norm_output alone",
-    "r45dpace": "step_weighting dpace (D-PACE, alpha 0.5)",
-    "r45walk": "step_weighting walk (ours: D-PACE on the draft's greedy hits)",
-    "r45lk": "loss lk_hybrid (LK^lambda, eta 3)",
-    "r45opt": "speculators' optimizer split: AdamW lr 1e-4 wd 0.01 on the rest, Muon lr 1e-3, clip 1.0",
-    "r45lin": "speculators' schedule: linear decay to 0, warm-up 1 % (8 steps)",
-    "r45noise": "uniform feature noise +-0.05 on the tapped states",
+CHANGES = {  # run label -> (what it changes, the run it is compared with)
+    "r45base": ("none: draftsmith's Muon point (trainer.batch_size=1, optim.name=muon), this machine", None),
+    "r45norms": ("EAGLE-3.1 norms: norm_before_fc + norm_output + norm_before_residual", BASE),
+    "r45fcres": (
+        "the default less norm_output (llama.cpp's two: norm_before_fc + norm_before_residual)",
+        KEEPER,
+    ),
+    "r45out": ("norm_output alone", BASE),
+    "r45dpace": ("step_weighting dpace (D-PACE, alpha 0.5)", BASE),
+    "r45walk": ("the default with step_weighting walk (ours: D-PACE on the draft's greedy hits)", KEEPER),
+    "r45lk": ("loss lk_hybrid (LK^lambda, eta 3)", BASE),
+    "r45opt": (
+        "speculators' optimizer split: AdamW lr 1e-4 wd 0.01 on the rest, Muon lr 1e-3, clip 1.0",
+        BASE,
+    ),
+    "r45lin": ("speculators' schedule: linear decay to 0, warm-up 1 % (8 steps)", BASE),
+    "r45noise": ("uniform feature noise +-0.05 on the tapped states", BASE),
 }
+MUON_POINT = "draftsmith-b1muon"
+"""The sweep's run of the same setting as ``BASE``: its seed-0 record stands in where ``BASE`` did not run."""
 
 
 def spread(values: list[float]) -> dict:
@@ -60,23 +68,33 @@ def main(argv: list[str] | None = None) -> int:
     record = json.loads(args.record.read_text())
     tokens = record["budget"]["tokens_asked"]
     runs = {name: run for name, run in record["train"].items() if (run.get("judge") or {}).get("tau")}
-    base = runs[BASE]["judge"]["tau"]
+    references = {name: run["judge"]["tau"] for name, run in runs.items()}
+    base_from = str(args.record)
+    if BASE not in references:  # the same setting, seed 0, from the sweep (the same data, capture and judge)
+        for path in args.peers:
+            judged = json.loads(path.read_text())["summary"].get("draftsmith", {})
+            if judged.get("runs", [None])[0] == MUON_POINT:
+                references[BASE], base_from = judged["heldout_tau"]["values"][0], f"{path} ({MUON_POINT})"
+    base = references[BASE]
 
     ablations = []
     print(
-        f"Ablations at {tokens:,} tokens, one seed each (held-out judge, k 5); Δ against {BASE} ({base:.3f})"
+        f"Ablations at {tokens:,} tokens, one seed each (held-out judge, k 5); {BASE} {base:.3f} from {base_from}"
     )
     for name, run in runs.items():
         label = name.removeprefix("draftsmith-")
         if "-seed" in label:
             continue
         tau = run["judge"]["tau"]
-        row = {"run": name, "change": CHANGES.get(label, "; ".join(run.get("overrides", []))), "heldout_tau": tau,
-               "delta": tau - base, "per_position": run["judge"].get("per_position"),
-               "commit": run["provenance"]["commit"], "machine": run["provenance"]["machine"]["cpu"],
-               "date": run["provenance"]["date"], "wall_s": run.get("wall_s")}  # fmt: skip
+        change, against = CHANGES.get(label, ("; ".join(run.get("overrides", [])), BASE))
+        delta = tau - references[against] if against else None
+        row = {"run": name, "change": change, "heldout_tau": tau, "against": against, "delta": delta,
+               "per_position": run["judge"].get("per_position"), "commit": run["provenance"]["commit"],
+               "machine": run["provenance"]["machine"]["cpu"], "date": run["provenance"]["date"],
+               "wall_s": run.get("wall_s")}  # fmt: skip
         ablations.append(row)
-        print(f"  {label:10s} {tau:6.3f} {tau - base:+6.3f}  {row['change']}")
+        shown = f"{delta:+6.3f} vs {against.removeprefix('draftsmith-')}" if against else ""
+        print(f"  {label:10s} {tau:6.3f} {shown:18s} {row['change']}")
 
     keeper = [runs[n]["judge"]["tau"] for n in (KEEPER, f"{KEEPER}-seed1", f"{KEEPER}-seed2") if n in runs]
     summary = [{"pipeline": "draftsmith", "setting": DEFAULT_SETTING, "tokens": tokens, "dev_tau": [],
@@ -100,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         sd = f"± {s['sd']:.3f}" if s["sd"] is not None else ""
         print(f"  {row['pipeline']:12s} {s['mean']:.3f} {sd:8s} n={s['n']}  {' '.join(row['setting'])}")
     result = {"provenance": provenance(), "record": str(args.record), "tokens": tokens, "judge": "bench/heldout_tau.py "
-              "--recipe quickstart --k 5 (40 held-out conversations)", "ablations": ablations, "summary": summary,
+              "--recipe quickstart --k 5 (40 held-out conversations)", "base": {"run": BASE, "heldout_tau": base, "from": base_from}, "ablations": ablations, "summary": summary,
               "heldout_spread": [spread(row["heldout_tau"]) for row in summary]}  # fmt: skip
     write_json(args.out, result)
     return 0
