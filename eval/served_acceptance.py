@@ -28,6 +28,68 @@ from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.openai_client import CompletionServer, ServerError
 from draftsmith.vllm import SpecCounters, parse_spec_counters
 
+COUNTER = "vllm:spec_decode_num_"
+"""The prefix of vLLM's speculative-decoding counters, each named as the ``SpecCounters`` field that sums it."""
+
+
+def check_counters(before: SpecCounters, after: SpecCounters, url: str, new_tokens: int) -> SpecCounters:
+    """What the server's counters say happened between two readings, after checking it can have happened:
+    no counter went down, something was drafted, acceptance is at most 1, τ at most k + 1, and the
+    per-position counts add up to the accepted total, each at most the one before. Otherwise one
+    ``ServerError`` naming the counter and the server, since a report of them would be silently wrong."""
+    moved = after - before
+    fix = (
+        "its counters are not reported. Run the eval again with no other traffic on the server and no restart "
+        "meanwhile, on a vLLM whose counters draftsmith reads (docs/EXPORT.md, 'Judging a served head')"
+    )
+
+    def contradiction(what: str) -> ServerError:
+        return ServerError(
+            f"{url}'s speculative-decoding counters contradict each other over this run: {what}; {fix}"
+        )
+
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):
+        if getattr(moved, name) < 0:
+            raise contradiction(
+                f"{COUNTER}{name} went down, from {getattr(before, name):,} to {getattr(after, name):,}"
+            )
+    if any(n < 0 for n in moved.accepted_per_position):
+        raise contradiction(f"{COUNTER}accepted_tokens_per_pos went down, from {before.accepted_per_position} to "
+                            f"{after.accepted_per_position}")  # fmt: skip
+    if not (moved.drafts or moved.draft_tokens or moved.accepted_tokens or any(moved.accepted_per_position)):
+        raise ServerError(
+            f"{url} drafted nothing for these prompts: its {COUNTER}drafts and the other speculative-decoding "
+            f"counters did not move while it generated {new_tokens:,} tokens, so there is no acceptance to report. "
+            "Check that it serves the draft for every request (a --speculative-config with disable_by_batch_size "
+            "or a draft of another target drafts nothing), and that --max-new-tokens leaves steps to draft in"
+        )
+    if not moved.drafts:
+        raise contradiction(f"{COUNTER}drafts did not move, yet {COUNTER}draft_tokens moved by {moved.draft_tokens:,} "
+                            f"and {COUNTER}accepted_tokens by {moved.accepted_tokens:,}")  # fmt: skip
+    if moved.accepted_tokens > moved.draft_tokens:
+        raise contradiction(
+            f"{COUNTER}accepted_tokens moved by {moved.accepted_tokens:,}, more than the {moved.draft_tokens:,} of "
+            f"{COUNTER}draft_tokens (an acceptance of {moved.accepted_tokens / max(moved.draft_tokens, 1):.2f} > 1)"
+        )
+    k = len(moved.accepted_per_position)
+    if k and moved.accepted_tokens > k * moved.drafts:
+        raise contradiction(
+            f"{COUNTER}accepted_tokens moved by {moved.accepted_tokens:,} over {moved.drafts:,} {COUNTER}drafts, a τ "
+            f"of {1 + moved.accepted_tokens / moved.drafts:.3f} > k + 1 = {k + 1} ({k} positions counted)"
+        )
+    if k and sum(moved.accepted_per_position) != moved.accepted_tokens:
+        raise contradiction(
+            f"{COUNTER}accepted_tokens_per_pos moved by {moved.accepted_per_position}, which add up to "
+            f"{sum(moved.accepted_per_position):,}, not the {moved.accepted_tokens:,} of {COUNTER}accepted_tokens"
+        )
+    reached = [moved.drafts, *moved.accepted_per_position]
+    if any(a < b for a, b in zip(reached, reached[1:])):
+        raise contradiction(
+            f"{COUNTER}accepted_tokens_per_pos moved by {moved.accepted_per_position} over {moved.drafts:,} "
+            f"{COUNTER}drafts: a position accepted more often than the one before it (or than there were drafts)"
+        )
+    return moved
+
 
 def acceptance_from_counters(counters: SpecCounters) -> tuple[AcceptanceStats, bool]:
     """(the record of acceptance, whether it is exact). Exact when every counted step drafted
@@ -93,7 +155,8 @@ def read_counters(server: CompletionServer, url_hint: str = "") -> SpecCounters:
 def judge_server(server: CompletionServer, tokenizer, prompts: list[EvalPrompt], max_new_tokens: int,
                  in_flight: int = 1, progress=None, counted: bool = True) -> ServedRun:  # fmt: skip
     """Every turn of every prompt, greedy, through ``server`` with ``in_flight`` requests at once;
-    the counters' difference over the pass (``counted=False``: a server without a draft, timed only).
+    the counters' difference over the pass, checked (``check_counters``; ``counted=False``: a server without
+    a draft, timed only).
 
     The server must have no other traffic meanwhile: its counters are the server's, not this client's.
     """
@@ -135,8 +198,11 @@ def judge_server(server: CompletionServer, tokenizer, prompts: list[EvalPrompt],
     seconds = time.perf_counter() - start
     if failures:
         raise failures[0]
-    after = read_counters(server) if counted else SpecCounters(served=False)
-    return ServedRun(after - before, [o or [] for o in outputs], seconds, in_flight)
+    answers = [o or [] for o in outputs]
+    if not counted:
+        return ServedRun(SpecCounters(served=False), answers, seconds, in_flight)
+    moved = check_counters(before, read_counters(server), server.url, sum(len(t) for a in answers for t in a))
+    return ServedRun(moved, answers, seconds, in_flight)
 
 
 def served_table(record: dict, k: int | str | None = None) -> str:

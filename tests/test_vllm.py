@@ -75,6 +75,102 @@ def test_a_reading_minus_an_earlier_one_is_what_happened_between():
     assert later - earlier == SpecCounters(10, 50, 8, [5, 3])
 
 
+def metrics_page(c: SpecCounters) -> str:
+    """A vLLM /metrics page holding ``c``."""
+    lines = [f"vllm:spec_decode_num_{name}_total{{engine=\"0\"}} {getattr(c, name)}.0"
+             for name in ("drafts", "draft_tokens", "accepted_tokens")]  # fmt: skip
+    lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {n}.0'
+              for i, n in enumerate(c.accepted_per_position)]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+class CountingServer:
+    """What ``judge_server`` asks of a server, with no server: every request answered with 3 tokens, and
+    /metrics reading ``before`` until the first request, ``after`` from then on."""
+
+    url = "http://gpu-7:8000"
+
+    def __init__(self, before: SpecCounters, after: SpecCounters):
+        self.pages, self.asked = (metrics_page(before), metrics_page(after)), False
+
+    def metrics(self) -> str:
+        return self.pages[self.asked]
+
+    def greedy_ids(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        self.asked = True
+        return [5, 6, 7]
+
+
+def judge(before: SpecCounters, after: SpecCounters):
+    from draftsmith.eval.prompts import EvalPrompt
+    from draftsmith.eval.served_acceptance import judge_server
+    from tests.tiny import tiny_tokenizer
+
+    prompts = [EvalPrompt("1", "chat", ("Tell me about cats.", "And dogs?"))]
+    return judge_server(CountingServer(before, after), tiny_tokenizer(), prompts, 8)
+
+
+START = SpecCounters(100, 500, 40, [30, 8, 2, 0, 0])
+"""A server's counters before the run: it has drafted before."""
+
+
+def test_a_served_run_whose_counters_add_up_is_reported():
+    run = judge(START, SpecCounters(110, 550, 60, [38, 14, 6, 2, 0]))
+    assert run.counters == SpecCounters(10, 50, 20, [8, 6, 4, 2, 0])
+    assert run.summary()["tau"] == pytest.approx(3.0) and run.summary()["alpha"] == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize(
+    "after, said",
+    [
+        (  # the issue's server: tau 9 and alpha 1.6 at k = 5, every position 1.00
+            SpecCounters(110, 550, 120, [40, 18, 12, 10, 10]),
+            r"vllm:spec_decode_num_accepted_tokens moved by 80, more than the 50 of vllm:spec_decode_num_draft_tokens "
+            r"\(an acceptance of 1.60 > 1\)",
+        ),
+        (
+            SpecCounters(110, 600, 110, [40, 18, 12, 10, 10]),
+            r"vllm:spec_decode_num_accepted_tokens moved by 70 over 10 vllm:spec_decode_num_drafts, a τ of 8.000 > "
+            r"k \+ 1 = 6",
+        ),
+        (
+            SpecCounters(110, 550, 60, [40, 8, 2, 0, 0]),
+            r"accepted_tokens_per_pos moved by \[10, 0, 0, 0, 0\], which add up to 10, not the 20 of",
+        ),
+        (
+            SpecCounters(110, 550, 60, [34, 14, 12, 0, 0]),
+            r"accepted_tokens_per_pos moved by \[4, 6, 10, 0, 0\] over 10 .*accepted more often than the one before",
+        ),
+        (SpecCounters(100, 520, 45, [35, 8, 2, 0, 0]), r"vllm:spec_decode_num_drafts did not move, yet"),
+        (SpecCounters(12, 60, 5, [4, 1, 0, 0, 0]), r"vllm:spec_decode_num_drafts went down, from 100 to 12"),
+    ],
+    ids=[
+        "acceptance above 1",
+        "tau above k+1",
+        "positions not the total",
+        "a position above the one before",
+        "drafts still",
+        "a counter went down",
+    ],  # fmt: skip
+)
+def test_served_counters_that_contradict_each_other_are_one_line_naming_the_counter_and_the_server(
+    after, said
+):
+    with pytest.raises(ServerError, match=said) as refused:
+        judge(START, after)
+    line = str(refused.value)
+    assert line.startswith("http://gpu-7:8000's speculative-decoding counters contradict each other")
+    assert "\n" not in line and "not reported" in line
+
+
+def test_a_server_that_drafted_nothing_says_so_instead_of_a_dash():
+    with pytest.raises(ServerError) as refused:
+        judge(START, START)
+    line = str(refused.value)
+    assert line.startswith("http://gpu-7:8000 drafted nothing for these prompts: ") and "\n" not in line
+    assert "while it generated 6 tokens" in line  # 2 turns of 3
+
+
 def test_a_missing_or_broken_vllm_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setenv(vllm.ENV, str(tmp_path / "nowhere" / "python"))
     with pytest.raises(FileNotFoundError, match="install_vllm.sh"):
