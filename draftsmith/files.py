@@ -116,6 +116,13 @@ IN_PLACE_ERRORS = (errno.EBUSY, errno.EXDEV)
 """What renaming a mount point (a container volume, a bind mount) onto or out of its place fails with."""
 
 
+def listing(folder: str | Path, most: int = 6) -> str:
+    """What a folder holds, as an error names it: ``config.json, model.safetensors, mine/ (3 entries)``."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in Path(folder).iterdir())
+    shown = ", ".join(names[:most]) + (", ..." if len(names) > most else "")
+    return f"{shown} ({len(names)} entr{'y' if len(names) == 1 else 'ies'})"
+
+
 def replace_dir(directory: str | Path, fill: Callable[[Path], object], keep_others: bool = False) -> Path:
     """Build a directory with ``fill(tmp_dir)`` and swap it in for ``directory`` (replacing an old one).
 

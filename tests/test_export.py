@@ -18,6 +18,7 @@ from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import distill
 from draftsmith.drafts.eagle import EagleConfig, EagleHead
 from draftsmith.drafts.eagle_parts import build_vocab_map
+from draftsmith.drafts.engines import export_engines
 from draftsmith.export import export_checkpoint
 from draftsmith.export.verify import ExportVerificationError, verify_export
 
@@ -407,12 +408,38 @@ def test_an_earlier_export_is_replaced_only_with_overwrite_and_nothing_else_ever
     (mine / "sub").mkdir(parents=True)
     file = tmp_path / "file"
     file.write_text("mine")
-    for where, said in ((mine, "holds more than an export"), (file, "is a file"),
+    for where, said in ((mine, "is not an export draftsmith wrote: it holds sub/"), (file, "is a file"),
                         (eagle_dir, "the checkpoint"), (eagle_dir.parent, "the checkpoint")):  # fmt: skip
         assert main([*argv, str(where), "--overwrite"]) == 2
         assert said in capsys.readouterr().err
     assert main([*argv, str(file)]) == 2
     assert file.read_text() == "mine" and (mine / "sub").is_dir() and (eagle_dir / "config.json").is_file()
+
+
+def user_model_folder(folder, target) -> dict[str, bytes]:
+    """A Hugging Face model folder of the user's own (weights, config, tokenizer; no draftsmith list), as
+    ``save_pretrained`` writes it; returns its files' bytes."""
+    target.model.save_pretrained(folder)
+    target.tokenizer.save_pretrained(folder)
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("engine", [e.name for e in export_engines()])
+def test_overwrite_never_replaces_a_users_own_model_folder(eagle_dir, target, tmp_path, capsys, engine):
+    """--overwrite replaces only what draftsmith wrote (a folder carrying its .draftsmith-files list): a model
+    folder of the user's, with a config.json and weights like an export's, is refused naming what it holds."""
+    mine = tmp_path / "mymodel"
+    before = user_model_folder(mine, target)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(before)
+    capsys.readouterr()  # save_pretrained's bar
+    assert main(["export", str(eagle_dir), "--to", engine, "--out", str(mine), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and f"--out {mine} is not an export draftsmith wrote: it holds " in err
+    assert all(name in err for name in ("config.json", "model.safetensors", "tokenizer.json")), err
+    assert f"({len(before)} entries) and no .draftsmith-files" in err
+    after = {p.name: p.read_bytes() for p in sorted(mine.iterdir())}
+    assert after == before  # nothing replaced, nothing added
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mymodel"]  # nor anything left beside it
 
 
 def test_an_export_removes_what_a_killed_export_to_the_same_name_left(eagle_dir, tmp_path):

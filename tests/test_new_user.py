@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -136,6 +137,30 @@ def test_a_finished_draft_is_never_replaced_unless_asked(
         train(config, **QUIET)
     assert strict_json((out / "draft" / "train_state.json").read_text()) == state
     assert train(config, overwrite=True, **QUIET).steps == 2
+
+
+def test_train_overwrite_replaces_a_trained_draft_never_a_users_folder(
+    tiny_target_dir, conversations, tmp_path
+):  # noqa: F811
+    """``draft/`` in an output folder is replaced by --overwrite only when a run trained it (its
+    train_state.json); a model folder of the user's there is refused, naming what it holds, before any load."""
+    out = tmp_path / "run"
+    (out / "draft").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (out / "draft" / name).write_text(f"my {name}")
+    config = make_config(
+        tiny_target_dir, conversations, out, "--trainer.max_steps=2", "--trainer.val_every=2"
+    )
+    said = (
+        f"{out / 'draft'} is not a draft draftsmith trained: it holds config.json, model.safetensors, "
+        "tokenizer.json (3 entries) and no train_state.json"
+    )
+    with pytest.raises(ValueError, match=re.escape(said)):
+        train(config, overwrite=True, target="never loaded", **QUIET)
+    assert {p.name: p.read_text() for p in (out / "draft").iterdir()} == {
+        n: f"my {n}" for n in ("config.json", "model.safetensors", "tokenizer.json")
+    }
+    assert sorted(p.name for p in out.iterdir()) == ["draft"]
 
 
 def test_a_resume_with_a_changed_recipe_is_refused_unless_safe_or_forced(

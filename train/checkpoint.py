@@ -24,6 +24,8 @@ from draftsmith import files
 CHECKPOINT_DIR = "checkpoints"
 LAST = "last.ckpt"
 DRAFT_DIR = "draft"
+TRAIN_STATE = "train_state.json"
+"""In ``draft/``: the run's last validation, written with every export of the draft (what marks it trained)."""
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -23,7 +23,7 @@ from draftsmith import files
 from draftsmith.decode.features import final_norm
 from draftsmith.decode.target import Target
 from draftsmith.eval.stats import AcceptanceStats
-from draftsmith.train.checkpoint import DRAFT_DIR, drop_frozen, export_draft, restore_frozen
+from draftsmith.train.checkpoint import DRAFT_DIR, TRAIN_STATE, drop_frozen, export_draft, restore_frozen
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.optimizers import build_optimizer
 from draftsmith.train.schema import TrainConfig, to_dict
@@ -177,7 +177,7 @@ class DraftModule(L.LightningModule):
         """Write the draft (save_pretrained) with the resolved config and its last validation, atomically."""
         extra = {
             "train_config.yaml": yaml.safe_dump(to_dict(self.config), sort_keys=False),
-            "train_state.json": files.json_text(record),
+            TRAIN_STATE: files.json_text(record),
         }
         return export_draft(self.objective, self.draft, self.output_dir / DRAFT_DIR, extra)
 

@@ -14,7 +14,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from draftsmith import files
 from draftsmith.sources import check_source
-from draftsmith.train.checkpoint import CHECKPOINT_DIR, DRAFT_DIR, LAST, last_checkpoint
+from draftsmith.train.checkpoint import CHECKPOINT_DIR, DRAFT_DIR, LAST, TRAIN_STATE, last_checkpoint
 from draftsmith.train.loggers import check_loggers
 from draftsmith.train.registry import check_objective_options
 from draftsmith.train.schema import TrainConfig, to_dict
@@ -85,6 +85,11 @@ def preflight(config: TrainConfig, resume: bool, overwrite: bool, force_resume: 
         raise ValueError(
             f"{draft} holds a trained draft; a new run would replace it. Pass --overwrite to replace it, or "
             "set --output.dir to a new directory"
+        )
+    if not resume and draft.is_dir() and any(draft.iterdir()) and not (draft / TRAIN_STATE).is_file():
+        raise ValueError(  # --overwrite replaces a draft a run trained there, never a folder of the user's
+            f"{draft} is not a draft draftsmith trained: it holds {files.listing(draft)} and no {TRAIN_STATE}. "
+            "--overwrite replaces only a trained draft, never your own files: set --output.dir to a new directory"
         )
     d = config.data
     paths = [d.regenerated] if d.regenerated else list(d.paths)

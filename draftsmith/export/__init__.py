@@ -16,7 +16,7 @@ from pathlib import Path
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
 from draftsmith.drafts.base import NONFINITE_FIX, PEER_DFLASH
-from draftsmith.drafts.engines import Engine, export_engines
+from draftsmith.drafts.engines import Engine
 from draftsmith.export.engines import ExportOptions, engine_of, is_single_file, refuse, writer_of
 from draftsmith.export.verify import ExportVerificationError, verify_export
 
@@ -68,22 +68,22 @@ def import_peer_head(ckpt: DraftCheckpoint, target_spec: str | None, workdir: Pa
     return locate_checkpoint(str(out))
 
 
-def holds_an_export(folder: Path) -> bool:
-    """True for a folder an earlier export wrote: one that records what draftsmith wrote there (``files.OWNED``);
-    for an export of an earlier version, files only, with a config.json or only single-file exports."""
+def holds_an_export(folder: Path, engine: Engine) -> bool:
+    """True for a folder an export wrote: one that lists what draftsmith wrote there (``files.OWNED``), or, for
+    an engine whose export is one file (GGUF), a folder of such files only, beside which it writes another."""
     if (folder / files.OWNED).is_file():
         return True
     entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
-    if any(p.is_dir() for p in entries):
-        return False
-    suffixes = {e.file_suffix for e in export_engines() if e.file_suffix}
-    return (folder / "config.json").is_file() or all(p.suffix in suffixes for p in entries)
+    return engine.file_suffix is not None and all(
+        p.is_file() and p.suffix == engine.file_suffix for p in entries
+    )
 
 
 def check_out(ckpt: DraftCheckpoint, engine: str | Engine, out: Path, overwrite: bool = False) -> None:
     """Refuse an ``out`` whose writing would replace what the user did not ask to replace: an existing
     single-file export (``.gguf``) or a non-empty folder without ``overwrite``; with it, anything but an
-    earlier export (whose files the new export replaces, keeping the user's others there); and never the
+    earlier export, which lists what draftsmith wrote there (``holds_an_export``; the new export replaces
+    those files, keeping the user's others there), so a model folder of the user's is never one; and never the
     checkpoint itself, a folder around it, or a file where a folder goes. A place that cannot be written is
     refused here too, before any work."""
     record = engine_of(engine)
@@ -111,10 +111,11 @@ def check_out(ckpt: DraftCheckpoint, engine: str | Engine, out: Path, overwrite:
                 f"--out {out} exists and is not empty; pass a new folder (exports are never merged), or "
                 "--overwrite to replace an earlier export there"
             )
-        if not holds_an_export(out):
+        if not holds_an_export(out, record):
             raise ValueError(
-                f"--out {out} holds more than an export (sub-folders, or files besides GGUF and no config.json); "
-                "--overwrite replaces only an earlier export: pass a new folder"
+                f"--out {out} is not an export draftsmith wrote: it holds {files.listing(out)} and no {files.OWNED} "
+                "list of what draftsmith wrote there. --overwrite replaces only such an export, never your own "
+                "files: pass a new folder"
             )
     files.check_writable(out, "--out")
 
