@@ -2,7 +2,8 @@
 
 1. ``draftsmith train configs/quickstart.yaml``: an EAGLE-3 head on the shipped training
    conversations (ShareGPT chat, GSM8K math, GPTeacher code), the target running online, in bf16
-   where the machine has fast bf16 (``precision: auto``; float32 elsewhere, capped at 7 minutes);
+   where the machine has fast bf16 (``precision: auto``; float32 elsewhere), ``trainer.max_time`` capping it at
+   10 minutes;
    with ``--regenerate N`` it first has the target answer N training prompts (self-distillation,
    ``draftsmith data regenerate``) and trains on those answers instead — better data in principle,
    but slow to make on a CPU, and at quickstart scale it moved τ within noise (BENCHMARKS.md);

@@ -321,6 +321,7 @@ def test_greedy_output_equals_the_real_targets(tmp_path):
     assert sum(a > 1 for walk in walks for a in walk) > 0  # slots, not only the real pair, are accepted
 
 
+@pytest.mark.engine
 def test_specforges_peagle_class_reads_our_sglang_export_and_gives_our_logits(peagle_run, tmp_path):
     """SpecForge 0.2.0's own PEagleDraftModel (the folder its exporter gives SGLang) loads ``--to sglang`` strictly
     and, run causally over the real pairs and three mask slots, gives draftsmith's drafter's logits (1e-5)."""
