@@ -81,7 +81,9 @@ def test_the_cache_stores_a_token_in_nine_bytes_not_twenty_four(conversations, t
     widths = {"input_ids": "int32", "loss_mask": "int8", "position_ids": "int32"}
     for pack, columns in ((False, ("input_ids", "loss_mask")), (True, tuple(widths))):
         rows = load(tmp_path / "cache", [conversations], tok, pack=pack)
-        assert {name: rows.features[name].feature.dtype for name in columns} == {c: widths[c] for c in columns}
+        assert {name: rows.features[name].feature.dtype for name in columns} == {
+            c: widths[c] for c in columns
+        }
         assert collate([rows[0]], pad_id=0).input_ids.dtype == torch.long  # widened where the model reads it
 
 
@@ -108,22 +110,41 @@ def test_a_changed_setting_template_or_data_is_a_new_entry(conversations, tmp_pa
     assert len(list(root.iterdir())) == 5
 
 
-@pytest.mark.parametrize("damage", ["truncate", "remove_state", "manifest_lies"])
+DAMAGES = {
+    "truncate": "does not match its SHA-256",
+    "zeroed_in_place": "data-00000-of-00001.arrow does not match its SHA-256",
+    "remove_state": "has lost state.json",
+    "manifest_lies": "where 3 were written",
+    "no_digests": "has no digests of its files",
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_entry_is_rebuilt(conversations, tmp_path, renders, capsys, damage):  # noqa: F811
     root, tok = tmp_path / "cache", tiny_tokenizer()
     whole = load(root, [conversations], tok).to_list()
     (entry,) = root.iterdir()
+    (arrow,) = entry.glob("*.arrow")
+    manifest = json.loads((entry / "draftsmith_dataset.json").read_text())
     if damage == "truncate":  # a file cut short (a disk that filled, a copy interrupted)
-        (arrow,) = entry.glob("*.arrow")
         arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    elif damage == "zeroed_in_place":  # dd conv=notrunc: the same size, Arrow opens it, tokens read 0
+        size = arrow.stat().st_size
+        with arrow.open("r+b") as f:
+            f.seek(size // 2)
+            f.write(bytes(200))
+        assert arrow.stat().st_size == size
     elif damage == "remove_state":
         (entry / "state.json").unlink()
-    else:
-        manifest = json.loads((entry / "draftsmith_dataset.json").read_text())
+    elif damage == "manifest_lies":
         (entry / "draftsmith_dataset.json").write_text(json.dumps({**manifest, "num_rows": 3}))
+    else:
+        del manifest["sha256"]
+        (entry / "draftsmith_dataset.json").write_text(json.dumps(manifest))
     capsys.readouterr()
     rebuilt = load(root, [conversations], tok)
-    assert "cannot be read back; building it again" in capsys.readouterr().out
+    said = [line for line in capsys.readouterr().out.splitlines() if "building it again" in line]
+    assert len(said) == 1 and DAMAGES[damage] in said[0], said
     assert len(renders) == 48 and rebuilt.to_list() == whole
     assert load(root, [conversations], tok).to_list() == whole and len(renders) == 48  # whole again
     assert [p.name for p in root.iterdir()] == [entry.name]  # nothing of the damaged one left beside it
