@@ -262,14 +262,47 @@ def test_a_cut_short_gguf_is_one_line_naming_it_wherever_it_is_read(
 
 
 def test_an_existing_gguf_file_is_replaced_only_with_overwrite(draft_dir, tmp_path, capsys):
-    out = tmp_path / "mine.gguf"
-    out.write_bytes(b"my own file")
+    out = tmp_path / "draft.gguf"
     argv = ["export", str(draft_dir.parent), "--to", "gguf", "--gguf-dtype", "f32", "--out", str(out)]
+    assert main(argv) == 0
+    earlier = out.read_bytes()
     assert main(argv) == 2
     assert "exists; pass a new path, or --overwrite" in capsys.readouterr().err
-    assert out.read_bytes() == b"my own file"
-    left = tmp_path / ".mine.gguf.tmp-abc123"  # what a write killed midway leaves
+    assert out.read_bytes() == earlier
+    left = tmp_path / ".draft.gguf.tmp-abc123"  # what a write killed midway leaves
     left.write_bytes(b"GGUF half")
     assert main([*argv, "--overwrite"]) == 0
     assert out.read_bytes()[:4] == b"GGUF" and verify_export(out, "gguf")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft.gguf"]
+
+
+@pytest.mark.parametrize("theirs", ["not a gguf", "a gguf of the users", "in a folder"])
+def test_overwrite_never_replaces_a_gguf_draftsmith_did_not_write(draft_dir, tmp_path, capsys, theirs):
+    """Every GGUF the exporter writes carries draftsmith.writer; any other .gguf, a file of the user's, is
+    refused naming it, byte for byte kept, in a folder as given as a file."""
+    mine = tmp_path / "mine.gguf"
+    argv = ["export", str(draft_dir.parent), "--to", "gguf", "--gguf-dtype", "f32", "--overwrite", "--out"]
+    assert main([*argv, str(mine)]) == 0
+    import gguf
+
+    reader = gguf.GGUFReader(str(mine))
+    assert gguf_export.GGUF_WRITER_KEY in reader.fields  # the mark, which a user's GGUF lacks
+    if theirs == "not a gguf":
+        mine.write_bytes(b"my own file")
+    else:  # a whole GGUF of the user's: the same tensors without the mark
+        writer = gguf.GGUFWriter(str(mine), "llama")
+        writer.add_name("mine")
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    if theirs == "in a folder":  # the export's own name in a folder of .gguf files
+        folder = tmp_path / "folder"
+        folder.mkdir()
+        mine = mine.rename(folder / f"{draft_dir.parent.name}-f32.gguf")
+    before = mine.read_bytes()
+    capsys.readouterr()
+    assert main([*argv, str(mine.parent if theirs == "in a folder" else mine)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and f"{mine} is not a GGUF draftsmith wrote" in err, err
+    assert mine.read_bytes() == before and sorted(p.name for p in mine.parent.iterdir()) == [mine.name]

@@ -26,6 +26,7 @@ TRAINING_FILES = {"train_state.json", "train_config.yaml"}
 __all__ = [
     "ExportOptions",
     "ExportVerificationError",
+    "check_gguf_replaceable",
     "check_out",
     "export_checkpoint",
     "import_peer_head",
@@ -79,6 +80,29 @@ def holds_an_export(folder: Path, engine: Engine) -> bool:
     )
 
 
+GGUF_WRITER_KEY = "draftsmith.writer"
+"""GGUF metadata key every GGUF draftsmith exports carries (its version): what ``--overwrite`` may replace."""
+
+
+def gguf_written_by_draftsmith(path: Path) -> bool:
+    """True for a GGUF file draftsmith's exporter wrote (it carries ``GGUF_WRITER_KEY``)."""
+    from draftsmith.loading import read_gguf
+
+    try:
+        return GGUF_WRITER_KEY in read_gguf(path).fields
+    except (OSError, ValueError):
+        return False
+
+
+def check_gguf_replaceable(path: Path) -> None:
+    """Refuse to replace an existing GGUF file draftsmith did not write, naming it."""
+    if path.exists() and not gguf_written_by_draftsmith(path):
+        raise ValueError(
+            f"{path} is not a GGUF draftsmith wrote (it carries no {GGUF_WRITER_KEY} key). --overwrite replaces "
+            "only a GGUF draftsmith exported, never your own file: pass a new path"
+        )
+
+
 def check_out(ckpt: DraftCheckpoint, engine: str | Engine, out: Path, overwrite: bool = False) -> None:
     """Refuse an ``out`` whose writing would replace what the user did not ask to replace: an existing
     single-file export (``.gguf``) or a non-empty folder without ``overwrite``; with it, anything but an
@@ -99,6 +123,7 @@ def check_out(ckpt: DraftCheckpoint, engine: str | Engine, out: Path, overwrite:
             )
         if out.exists() and not overwrite:
             raise FileExistsError(f"--out {out} exists; {again}")
+        check_gguf_replaceable(out)
         files.check_writable(out.parent, "--out's folder")
         return
     if out.exists() and not out.is_dir():

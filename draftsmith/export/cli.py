@@ -97,8 +97,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an earlier export at --out (a folder holding one, or a .gguf file): the files draftsmith "
-        "wrote there are replaced, your other files in it kept; never anything else",
+        help="replace an earlier export at --out (a folder holding one, or a .gguf file draftsmith wrote): the "
+        "files draftsmith wrote there are replaced, your other files in it kept; never anything else",
     )
     p.add_argument(
         "--verify", action="store_true", help="only verify CKPT as an existing --to export; write nothing"

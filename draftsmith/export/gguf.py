@@ -33,10 +33,11 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from draftsmith import files
+from draftsmith import __version__, files
 from draftsmith.draft_checkpoint import DraftCheckpoint
 from draftsmith.drafts.base import DFLASH
 from draftsmith.drafts.engines import GGUF
+from draftsmith.export import GGUF_WRITER_KEY, check_gguf_replaceable
 from draftsmith.export.eagle import (
     NAME_MAP,
     ascending_capture,
@@ -152,6 +153,7 @@ def _write_file(out_file: Path, arch: str, fill: Callable[[gguf.GGUFWriter], Non
 
     def write(tmp: Path) -> None:
         writer = gguf.GGUFWriter(str(tmp), arch)
+        writer.add_string(GGUF_WRITER_KEY, f"draftsmith {__version__}")  # what --overwrite may replace
         fill(writer)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -387,6 +389,7 @@ def gguf_file(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
         return out
     file = out / f"{(ckpt.run_dir or ckpt.draft_dir).resolve().name}-{options.gguf_dtype}{GGUF.file_suffix}"
     files.remove_stale(file.parent, file.name)
+    check_gguf_replaceable(file)  # a file of that name in the folder: replaced only if an export wrote it
     return file
 
 
