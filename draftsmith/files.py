@@ -31,6 +31,21 @@ class DiskFullError(OSError):
         return self.args[0]
 
 
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+NO_SPACE_TEXT = ("No space left on device", "Disk quota exceeded", "os error 28)", "os error 122)")
+
+
+def out_of_space(err: BaseException) -> bool:
+    """True when ``err`` (or an error it came from) is a write that failed for want of space: an ``OSError``
+    with ENOSPC/EDQUOT, or a library's own error that carries only the text (safetensors' ``SafetensorError:
+    ... No space left on device (os error 28)``)."""
+    while err is not None:
+        if getattr(err, "errno", None) in NO_SPACE_ERRNOS or any(t in str(err) for t in NO_SPACE_TEXT):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 TMP_TAG = ".tmp-"

@@ -470,3 +470,37 @@ export.export_checkpoint(locate_checkpoint({str(eagle_dir)!r}), "hf", Path({str(
     assert [p.name[:7] for p in tmp_path.iterdir() if p.name.startswith(".x")] == [".x.tmp-"]
     export_checkpoint(locate_checkpoint(str(eagle_dir)), "hf", out)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".y.tmp-1", "x"]
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm", "sglang", "speculators"])
+def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(
+    eagle_dir, tmp_path, capsys, monkeypatch, engine
+):
+    """A write that runs out of space midway, as the OS says it (OSError ENOSPC from a copy) or as safetensors
+    does (a SafetensorError whose text alone says so, no errno): one line naming --out, exit 2, nothing left."""
+    import errno
+
+    import safetensors
+
+    import draftsmith.export as export_pkg
+    import draftsmith.export.eagle as eagle_export
+
+    def half_then_full(data, path, *args, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 1000)  # what reached the disk before it filled
+        if engine == "hf":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise safetensors.SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    if engine == "hf":
+        monkeypatch.setattr(export_pkg.shutil, "copyfile", lambda src, dst: half_then_full(None, dst))
+    else:
+        monkeypatch.setattr(eagle_export, "save_file", half_then_full)
+    out = tmp_path / "out"
+    assert main(["export", str(eagle_dir), "--to", engine, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err], err
+    assert f"could not write the export to {out} (no space left on device); nothing temporary" in err, err
+    assert list(tmp_path.iterdir()) == []  # nothing temporary beside --out, and no --out

@@ -130,11 +130,17 @@ def run(args: argparse.Namespace) -> int:
                 written = export_checkpoint(imported, args.to, out, args.gguf_dtype, args.target_gguf)
         else:
             written = export_checkpoint(ckpt, args.to, out, args.gguf_dtype, args.target_gguf)
-    except OSError as err:
-        if err.errno is None or isinstance(err, (FileNotFoundError, PermissionError, files.DiskFullError)):
+    except Exception as err:  # noqa: BLE001 - a full disk said by a library (safetensors) carries no errno
+        full = files.out_of_space(err)
+        if not full and (
+            not isinstance(err, OSError)
+            or err.errno is None
+            or isinstance(err, (FileNotFoundError, PermissionError, files.DiskFullError))
+        ):
             raise
+        why = "no space left on device" if full else (err.strerror or err)
         raise ValueError(  # a read-only or full file system found midway: one line, not a traceback
-            f"could not write the export to {out} ({err.strerror or err}); nothing temporary was left behind. "
+            f"could not write the export to {out} ({why}); nothing temporary was left behind. "
             "Free the place or pass another --out, then run the same command again"
         ) from err
     print(f"wrote {written}")
