@@ -16,7 +16,10 @@ The target is never quantized: its layers (also those a ``layers:N`` draft share
 
 ``pack_linears(model)`` swaps every frozen ``nn.Linear`` for a ``PackedLinear`` that keeps the
 original weight (shared, so state dicts, tied embeddings and hooks see the same tensor) plus the
-packed copy. It is for inference only: a packed layer refuses to run when autograd would need its
+packed copy. Whether a packed layer runs oneDNN or PyTorch's stock kernel is its ``KernelPolicy``'s
+call, per row count (one row: plain decoding and drafting; more: a verify pass or a prompt), so the
+choice can follow what measures faster on the machine (``decode/kernel_choice.py``): packing wins on
+the AMD EPYC it was written on and loses to stock on an AMX Xeon (BENCHMARKS.md, "CPU kernels"). It is for inference only: a packed layer refuses to run when autograd would need its
 weight's gradient, since the packed copy would not follow an update. ``unpack_linears`` undoes it.
 Packing is skipped (and says why) where it does not apply: not a CPU tensor, not float32, or a
 PyTorch without the oneDNN op.
@@ -24,8 +27,46 @@ PyTorch without the oneDNN op.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+KERNELS = ("packed", "stock")
+"""The float32 CPU kernels a ``PackedLinear`` can run: oneDNN on the prepacked weight, or PyTorch's own."""
+
+
+@dataclass
+class KernelPolicy:
+    """Which kernel the packed layers sharing this policy run, by the rows of the product.
+
+    ``plain``: one row (a plain decoding step, a drafter's one-token step); ``verify``: more rows (a verify
+    pass of k + 1 tokens, a prompt). Each is one of ``KERNELS``.
+    """
+
+    plain: str = "packed"
+    verify: str = "packed"
+
+    def __post_init__(self) -> None:
+        for name, kernel in (("plain", self.plain), ("verify", self.verify)):
+            if kernel not in KERNELS:
+                raise ValueError(f"KernelPolicy.{name} = {kernel!r}; choose one of {', '.join(KERNELS)}")
+
+    def packed_for(self, rows: int) -> bool:
+        return (self.plain if rows == 1 else self.verify) == "packed"
+
+    @contextmanager
+    def forced(self, kernel: str) -> Iterator[None]:
+        """Every product on ``kernel`` while the block runs (a measurement, or transformers' own generate)."""
+        kept = (self.plain, self.verify)
+        self.plain = self.verify = kernel
+        self.__post_init__()
+        try:
+            yield
+        finally:
+            self.plain, self.verify = kept
 
 
 def packing_unavailable(device: torch.device | str, dtype: torch.dtype) -> str | None:
@@ -46,9 +87,10 @@ def packing_unavailable(device: torch.device | str, dtype: torch.dtype) -> str |
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose forward runs oneDNN on a weight copy reordered once (inference only)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, policy: KernelPolicy | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.policy = KernelPolicy() if policy is None else policy
         self.weight = linear.weight  # the same Parameter: tying and state_dict keys are unchanged
         self.bias = linear.bias
         # not a buffer: the blocked layout is private to oneDNN and must not reach a state dict
@@ -65,12 +107,27 @@ class PackedLinear(nn.Module):
         if self.weight._version != self._version:  # the weight was changed in place since packing
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
             self._version = self.weight._version
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        if (
+            x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or not self.policy.packed_for(x.numel() // self.in_features)
+        ):
             return nn.functional.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+
+
+@contextmanager
+def stock_kernels(model: nn.Module) -> Iterator[None]:
+    """Every packed layer of ``model`` on PyTorch's stock kernel while the block runs: the model as a user
+    would run it without draftsmith (``evaluate``'s transformers ``generate`` baseline)."""
+    policies = {id(m.policy): m.policy for m in model.modules() if isinstance(m, PackedLinear)}
+    with ExitStack() as stack:
+        for policy in policies.values():
+            stack.enter_context(policy.forced("stock"))
+        yield
 
 
 def int8_unavailable(device: torch.device | str) -> str | None:
@@ -167,13 +224,17 @@ def drafter_modules(obj) -> list[nn.Module]:
     return [v for v in vars(obj).values() if isinstance(v, nn.Module)]
 
 
-def pack_linears(model: nn.Module, packed: dict[int, PackedLinear] | None = None) -> int:
+def pack_linears(
+    model: nn.Module, packed: dict[int, PackedLinear] | None = None, policy: KernelPolicy | None = None
+) -> int:
     """Swap every frozen float32 CPU ``nn.Linear`` in ``model`` for a ``PackedLinear``; how many were swapped.
 
     Layers whose weight requires grad are left alone (they may be trained). Idempotent. ``packed``
     maps id(original Linear) to its packed layer, so a Linear shared by several models (a
-    ``layers:N`` view shares the target's) is packed once.
+    ``layers:N`` view shares the target's) is packed once. ``policy``: shared by every layer packed
+    here (default: a new one that packs every product).
     """
+    policy = KernelPolicy() if policy is None else policy
     packed = {} if packed is None else packed
     count = 0
     for parent in list(model.modules()):
@@ -183,7 +244,7 @@ def pack_linears(model: nn.Module, packed: dict[int, PackedLinear] | None = None
             if packing_unavailable(child.weight.device, child.weight.dtype) is not None:
                 continue
             if id(child) not in packed:
-                packed[id(child)] = PackedLinear(child)
+                packed[id(child)] = PackedLinear(child, policy)
             setattr(parent, name, packed[id(child)])
             count += 1
     return count
@@ -194,11 +255,12 @@ def unpack_linears(model: nn.Module) -> int:
     return _restore(model, PackedLinear)
 
 
-def pack_for_decoding(*objects) -> int:
+def pack_for_decoding(*objects, policy: KernelPolicy | None = None) -> int:
     """Pack the frozen linears of each model, and of every module a drafter holds; total swapped.
 
     Accepts ``nn.Module``s, objects with a ``model`` attribute (the target) and drafters (their
-    module attributes are packed). Modules reached twice are packed once.
+    module attributes are packed). Modules reached twice are packed once. ``policy``: which kernel the
+    packed layers run, by row count (default: packed for all; ``decode/kernel_choice.py`` measures one).
     """
     seen: set[int] = set()
     packed: dict[int, PackedLinear] = {}
@@ -207,5 +269,5 @@ def pack_for_decoding(*objects) -> int:
         for module in drafter_modules(obj):
             if id(module) not in seen:
                 seen.add(id(module))
-                total += pack_linears(module, packed)
+                total += pack_linears(module, packed, policy)
     return total

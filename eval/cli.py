@@ -150,11 +150,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cpu-kernels",
-        choices=["packed", "stock"],
-        default="packed",
-        help="CPU float32 only: 'packed' (default) runs every frozen linear layer of the target and the drafts "
-        "through oneDNN with weights prepacked once (decode/cpu_kernels.py; faster at the few-row shapes of "
-        "decoding, for the baseline too); 'stock' keeps PyTorch's default kernels",
+        choices=["auto", "packed", "stock"],
+        default="auto",
+        help="CPU float32 only: the kernels of the frozen linear layers of the target and the drafts. 'auto' "
+        "(default) times oneDNN on weights prepacked once (decode/cpu_kernels.py) against PyTorch's stock "
+        "kernels on a few steps of the target, for a plain step and for a verify pass apart, keeps the faster "
+        "of each and remembers the choice per machine and target ($DRAFTSMITH_CACHE/kernels.json; the report "
+        "says what each measured); 'packed' or 'stock' forces one",
+    )
+    p.add_argument(
+        "--no-generate-baseline",
+        dest="generate_baseline",
+        action="store_false",
+        help="leave out the target's own transformers generate (run by default, interleaved, on stock "
+        "kernels: each draft's 'vs-gen' speedup is against it)",
     )
     p.add_argument(
         "--draft-weights",
@@ -273,7 +282,8 @@ def _check(args: argparse.Namespace) -> list[str] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Load prompts, target and drafts; evaluate; print the table and write the reports."""
-    from draftsmith.decode.cpu_kernels import int8_unavailable, pack_for_decoding, quantize_draft_linears
+    from draftsmith.decode.cpu_kernels import int8_unavailable, quantize_draft_linears
+    from draftsmith.decode.kernel_choice import describe
     from draftsmith.decode.sampling import Sampling
     from draftsmith.decode.target import load_target
     from draftsmith.decode.tree import TreeSpec
@@ -302,8 +312,7 @@ def run(args: argparse.Namespace) -> int:
         if why is not None:
             raise ValueError(f"--draft-weights int8: {why}; use --draft-weights float")
         quantize_draft_linears(target.model, *(drafter for _, drafter in drafts))
-    if args.cpu_kernels == "packed":
-        pack_for_decoding(target.model, *(drafter for _, drafter in drafts))
+    kernels = use_kernels(args, target, [drafter for _, drafter in drafts])
     if args.static_cache or args.compile != "off":
         k_max = args.k_max if args.k == "auto" else args.k
         mirror_stats.refuse_compile(drafts, args.compile)
@@ -320,16 +329,47 @@ def run(args: argparse.Namespace) -> int:
         tree=TreeSpec.parse_policy(args.tree) if args.tree is not None else None,
         k_max=args.k_max,
         truncate_prompts=args.truncate_prompts,
+        transformers_baseline=args.generate_baseline,
     )
     settings = {key: value for key, value in vars(args).items() if key not in ("func", "command")}
     settings["num_prompts"] = len(prompts)
     report = build_report(result, target.name, settings, hardware_description(target.device, target.dtype))
+    report["kernels"] = kernels
     print(format_table(report))
+    print(describe(kernels))
     for path in write_report(report, args.out):
         print(f"wrote {path}")
     if served is not None:
         return _judge_served(args, served, prompts, report)
     return 0
+
+
+def use_kernels(args: argparse.Namespace, target, drafters: list) -> dict:
+    """Pack the frozen linears of the target and the drafts and choose their kernels as --cpu-kernels says
+    (decode/kernel_choice.py); what was chosen, for the report. --cpu-kernels packed where packing cannot
+    run is refused, naming why; auto there runs stock and says why."""
+    from draftsmith.decode.cpu_kernels import KernelPolicy, pack_for_decoding, packing_unavailable
+    from draftsmith.decode.kernel_choice import choose_kernels
+
+    if args.cpu_kernels == "stock":
+        return {"mode": "stock", "plain": "stock", "verify": "stock"}
+    why = packing_unavailable(target.device, target.dtype)
+    if why is not None:
+        if args.cpu_kernels == "packed":
+            raise ValueError(f"--cpu-kernels packed: {why}; use --cpu-kernels auto or stock")
+        return {"mode": "auto", "plain": "stock", "verify": "stock", "note": f"not packed: {why}"}
+    policy = KernelPolicy()
+    pack_for_decoding(target.model, *drafters, policy=policy)
+    if args.cpu_kernels == "packed":
+        return {"mode": "packed", "plain": "packed", "verify": "packed"}
+    if args.tree is not None:
+        from draftsmith.decode.tree import TreeSpec
+
+        tree = TreeSpec.parse_policy(args.tree)  # a node budget chosen per step goes up to 64
+        width = tree.total_tokens + 1 if isinstance(tree, TreeSpec) else 65
+    else:
+        width = (args.k_max if args.k == "auto" else args.k) + 1
+    return choose_kernels(target, policy, width)
 
 
 def _served_client(args: argparse.Namespace):

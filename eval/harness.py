@@ -9,11 +9,16 @@ runs through the tree decoder (``decode/tree_decode.py``); the baseline stays th
 that offers mirror decoding (a ``GridDrafter``) always runs through it (``decode/mirror.py``), with its
 own κ and γ unless its ``Method`` names others; its own statistics ride in ``RunStats.mode``
 (``eval/mirror_stats.py``).
+
+With ``transformers_baseline`` the target's own ``transformers`` ``generate`` runs too, interleaved like
+the rest, on PyTorch's stock kernels: what a user would run without draftsmith, so every speedup can
+also be stated against it (``EvalResult.generate``).
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -21,10 +26,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from draftsmith.decode.cost_model import CostModel, TreeBudget
+from draftsmith.decode.cpu_kernels import stock_kernels
 from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.mirror import GridDrafter, MirrorResult, MirrorSettings, generate_mirror
 from draftsmith.decode.sampling import Sampling
-from draftsmith.decode.speculative import GenerationResult, KPolicy, generate
+from draftsmith.decode.speculative import GenerationResult, KPolicy, generate, sync
 from draftsmith.decode.target import Target
 from draftsmith.decode.tree import TreeSpec
 from draftsmith.decode.tree_decode import generate_tree
@@ -34,6 +40,8 @@ from draftsmith.eval.prompts import EvalPrompt, answer_text, render
 from draftsmith.eval.stats import RunStats
 
 BASELINE = "target alone"
+GENERATE = "transformers generate"
+"""The user's baseline: the target's own ``generate`` (``Method.engine == "transformers"``)."""
 WARMUP_TOKENS = 32
 """New tokens per warm-up generation: enough to run prefill, drafting and verify a few times."""
 
@@ -73,6 +81,8 @@ class EvalResult:
     categories: list[str]
     """In order of first appearance among the prompts."""
     greedy: bool
+    generate: MethodResult | None = None
+    """transformers' own ``generate`` on the same prompts (``evaluate(transformers_baseline=True)``)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +109,8 @@ class Method:
     """Draft token trees of this shape (or a node budget chosen per step) instead of k-token chains."""
     mirror: MirrorSettings | None = None
     """A mirror draft's κ and γ, when not the ones it was trained with (its early-exit layer is fixed)."""
+    engine: str = "draftsmith"
+    """"draftsmith": the shared decoder; "transformers": the target's own ``generate`` (no drafter)."""
 
     def fresh(self, k_max: int) -> Method:
         """This method as a run starts it: a new cost model / tree budget for adaptive ones."""
@@ -110,6 +122,8 @@ class Method:
     def decoding(self) -> str:
         """How it decodes, as ``_generate`` picks: "mirror" (a drafter that offers mirror decoding, a
         ``GridDrafter``), "tree" (with a tree) or "chain"."""
+        if self.engine == "transformers":
+            return "generate"
         if isinstance(self.drafter, GridDrafter):
             return MirrorStats.key
         return "tree" if self.drafter is not None and self.tree is not None else "chain"
@@ -169,11 +183,43 @@ def _generate(
 ) -> GenerationResult:
     drafter, new, sampling = method.drafter, settings.max_new_tokens, settings.sampling
     decoding = method.decoding
+    if decoding == "generate":
+        return transformers_generate(target, ids, new, sampling, generator)
     if decoding == MirrorStats.key:
         return generate_mirror(target, ids, drafter, method.mirror, new, sampling, generator)
     if decoding == "tree":
         return generate_tree(target, ids, drafter, method.tree, new, sampling, generator)
     return generate(target, ids, drafter, method.k, new, sampling, generator)
+
+
+def transformers_generate(
+    target: Target, ids: torch.Tensor, max_new_tokens: int, sampling: Sampling, generator: torch.Generator
+) -> GenerationResult:
+    """The target's own ``model.generate`` on ``ids``, on PyTorch's stock kernels, stopping after the target's
+    EOS tokens as draftsmith's decoder does; timed as a whole (its prefill is not timed apart). Sampled runs
+    seed torch's global generator from ``generator``'s seed (``generate`` takes no generator)."""
+    eos = sorted(target.eos_ids)
+    prompt = ids.view(1, -1).to(target.device)
+    target.check_fits(prompt.shape[1], max_new_tokens)
+    options: dict = {"do_sample": False}
+    if not sampling.greedy:
+        torch.manual_seed(generator.initial_seed())
+        options = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None,
+                   "top_p": sampling.top_p}  # fmt: skip
+    with stock_kernels(target.model), torch.inference_mode():
+        start = time.perf_counter()
+        out = target.model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+            **options,
+        )
+        sync(target.device)
+        seconds = time.perf_counter() - start
+    tokens = out[0, prompt.shape[1] :].tolist()
+    return GenerationResult(tokens=tokens, target_forwards=len(tokens), seconds=seconds)
 
 
 def run_stats(result: GenerationResult) -> RunStats:
@@ -271,6 +317,7 @@ def evaluate(
     tree: TreeSpec | TreeBudget | None = None,
     k_max: int = 8,
     truncate_prompts: bool = False,
+    transformers_baseline: bool = False,
 ) -> EvalResult:
     """Run the target alone and every method over ``prompts``; compare outputs when greedy.
 
@@ -284,7 +331,8 @@ def evaluate(
     A ``TreeBudget`` as ``tree`` works the same way: each method gets its own copy, which picks the tree's
     node budget per step. A prompt that does not fit the target's context is refused before anything
     runs (``check_context``), unless ``truncate_prompts``: then it keeps its last tokens, counted in each
-    method's ``truncated``.
+    method's ``truncated``. ``transformers_baseline``: also run the target's own ``generate`` (stock
+    kernels), interleaved with the rest, as ``EvalResult.generate``.
     """
     settings = GenerationSettings(
         max_new_tokens, sampling if sampling is not None else Sampling(), seed, k_max
@@ -318,7 +366,8 @@ def evaluate(
         )
     if not truncate_prompts:
         check_context(target, prompts, max_new_tokens)
-    methods = [Method(BASELINE, None, 0), *drafted]
+    users = [Method(GENERATE, None, 0, engine="transformers")] if transformers_baseline else []
+    methods = [Method(BASELINE, None, 0), *users, *drafted]
     results = [MethodResult(m.name, decoding=m.decoding) for m in methods]
     warm_up(target, methods, prompts[: max(warmup, 0)], settings, truncate_prompts)
     runs = [m.fresh(k_max) for m in methods]
@@ -340,7 +389,9 @@ def evaluate(
     if settings.sampling.greedy:
         for result in results[1:]:
             compare_outputs(results[0], result, prompts)
-    return EvalResult(results[0], results[1:], categories, settings.sampling.greedy)
+    generated = results[1] if users else None
+    drafts_done = results[1 + len(users) :]
+    return EvalResult(results[0], drafts_done, categories, settings.sampling.greedy, generated)
 
 
 def compare_outputs(baseline: MethodResult, result: MethodResult, prompts: Sequence[EvalPrompt]) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from draftsmith import files
-from draftsmith.eval.harness import BASELINE, EvalResult, MethodResult
+from draftsmith.eval.harness import BASELINE, GENERATE, EvalResult, MethodResult
 from draftsmith.eval.mirror_stats import MirrorStats
 from draftsmith.eval.numbers import cell, json_number, json_ratio
 from draftsmith.eval.plots import PLOT_NAME
@@ -24,6 +24,8 @@ _METRICS = """\
 per-position acceptance: P(draft token i accepted | every draft token before it accepted).
 tok/s     new tokens / wall-clock seconds of generation (prefill included), after warm-up.
 speedup   tok/s of the draft / tok/s of the target alone, same prompts, settings and process.
+vs-gen    tok/s / tok/s of the target's own transformers generate (greedy or sampled alike, PyTorch's stock
+          kernels, interleaved in the same run): the speedup over what a user runs without draftsmith.
 bound     the speedup the measured acceptance and costs allow (chain drafting): E / (draft + verify), where
           E = mean over verify steps of 1 + Σ_{i=1..k} Π_{j≤i} a_j (a_j: per-position acceptance; k: the
           step's chain length, --k or each step's under --k auto) and draft, verify = measured seconds of a
@@ -111,7 +113,21 @@ def _bound_inputs(stats: RunStats, base: RunStats, decoding: str) -> dict:
     }
 
 
-def _draft_entry(draft: MethodResult, baseline: MethodResult, categories: list[str], settings: dict) -> dict:
+def _vs_generate(stats: RunStats, generate: MethodResult | None, category: str | None = None) -> dict:
+    """The speedup over transformers' own ``generate`` on the same prompts (none when it did not run)."""
+    if generate is None:
+        return {}
+    base = generate.total if category is None else generate.categories[category]
+    return {"speedup_vs_generate": json_ratio(stats.timing.tokens_per_s, base.timing.tokens_per_s)}
+
+
+def _draft_entry(
+    draft: MethodResult,
+    baseline: MethodResult,
+    categories: list[str],
+    settings: dict,
+    generate: MethodResult | None = None,
+) -> dict:
     acc = draft.total.acceptance
     entry = {
         "name": draft.name,
@@ -121,6 +137,7 @@ def _draft_entry(draft: MethodResult, baseline: MethodResult, categories: list[s
         "per_position": [json_number(x) for x in acc.per_position],
         **_timing_fields(draft.total),
         **_speedups(draft.total, baseline.total, draft.decoding),
+        **_vs_generate(draft.total, generate),
         "bound": _bound_inputs(draft.total, baseline.total, draft.decoding),
         "exact_match": draft.exact_match,
         "mismatched_prompts": draft.mismatched_prompts,
@@ -139,6 +156,7 @@ def _draft_entry(draft: MethodResult, baseline: MethodResult, categories: list[s
             "alpha": json_number(stats.acceptance.alpha),
             "tokens_per_s": json_number(stats.timing.tokens_per_s),
             **_speedups(stats, base, draft.decoding),
+            **_vs_generate(stats, generate, cat),
             "exact_match": draft.category_exact.get(cat),
             "new_tokens": stats.timing.new_tokens,
         }
@@ -147,26 +165,42 @@ def _draft_entry(draft: MethodResult, baseline: MethodResult, categories: list[s
 
 def build_report(result: EvalResult, target: str, settings: dict, hardware: str) -> dict:
     """The report as a JSON-ready dict (the schema of report.json)."""
-    base = result.baseline
-    baseline = {"name": BASELINE, **_timing_fields(base.total), "categories": {}}
-    for cat in result.categories:
-        stats = base.categories[cat]
-        baseline["categories"][cat] = {
-            "tokens_per_s": json_number(stats.timing.tokens_per_s),
-            "new_tokens": stats.timing.new_tokens,
-            "seconds": stats.timing.seconds,
-            "generations": stats.timing.generations,
-        }
-    return {
+    base, generate = result.baseline, result.generate
+    baseline = _plain_entry(base, result.categories, generate)
+    report = {
         "target": target,
         "settings": settings,
         "hardware": hardware,
         "greedy": result.greedy,
         "categories": result.categories,
         "baseline": baseline,
-        "drafts": [_draft_entry(d, base, result.categories, settings) for d in result.drafts],
+        "drafts": [_draft_entry(d, base, result.categories, settings, generate) for d in result.drafts],
         "truncated_generations": base.truncated,
     }
+    if generate is not None:
+        report["generate"] = {
+            **_plain_entry(generate, result.categories, generate),
+            "speedup": json_ratio(generate.total.timing.tokens_per_s, base.total.timing.tokens_per_s),
+            "exact_match": generate.exact_match,
+            "mismatched_prompts": generate.mismatched_prompts,
+        }
+    return report
+
+
+def _plain_entry(method: MethodResult, categories: list[str], generate: MethodResult | None) -> dict:
+    """A method without a draft (the target alone, or transformers' generate): timing, overall and per category."""
+    entry = {"name": method.name, **_timing_fields(method.total), **_vs_generate(method.total, generate)}
+    entry["categories"] = {}
+    for cat in categories:
+        stats = method.categories[cat]
+        entry["categories"][cat] = {
+            "tokens_per_s": json_number(stats.timing.tokens_per_s),
+            "new_tokens": stats.timing.new_tokens,
+            "seconds": stats.timing.seconds,
+            "generations": stats.timing.generations,
+            **_vs_generate(stats, generate, cat),
+        }
+    return entry
 
 
 def _exact(x: bool | None) -> str:
@@ -181,6 +215,7 @@ def _row(name: str, category: str, s: dict) -> list[str]:
         cell(s["alpha"], ".2f"),
         cell(s["tokens_per_s"], ".1f"),
         cell(s["speedup"], ".2f"),
+        cell(s.get("speedup_vs_generate"), ".2f"),
         cell(s.get("speedup_bound"), ".2f"),
         cell(s.get("efficiency"), ".2f"),
         _exact(s["exact_match"]),
@@ -188,22 +223,27 @@ def _row(name: str, category: str, s: dict) -> list[str]:
 
 
 def table_rows(report: dict) -> list[list[str]]:
-    """Rows of (draft, category, τ, α, tok/s, speedup, bound, eff, exact): an 'all' row per method, then its
-    categories."""
+    """Rows of (draft, category, τ, α, tok/s, speedup, vs-gen, bound, eff, exact): an 'all' row per method,
+    then its categories; transformers' generate (when it ran) after the target alone."""
     cats = report["categories"] if len(report["categories"]) > 1 else []
     base = report["baseline"]
     alone = {"tau": 1.0, "alpha": None, "speedup": 1.0, "exact_match": None}
-    rows = [_row(BASELINE, "all", {**alone, "tokens_per_s": base["tokens_per_s"]})]
-    rows += [
-        _row(BASELINE, c, {**alone, "tokens_per_s": base["categories"][c]["tokens_per_s"]}) for c in cats
-    ]
+    rows = [_row(BASELINE, "all", {**alone, **base})]
+    rows += [_row(BASELINE, c, {**alone, **base["categories"][c]}) for c in cats]
+    gen = report.get("generate")
+    if gen is not None:
+        rows.append(_row(GENERATE, "all", {**alone, **gen}))
+        for c in cats:
+            rate = gen["categories"][c]["tokens_per_s"]
+            speedup = json_ratio(rate, base["categories"][c]["tokens_per_s"])
+            rows.append(_row(GENERATE, c, {**alone, **gen["categories"][c], "speedup": speedup}))
     for d in report["drafts"]:
         rows.append(_row(d["name"], "all", d))
         rows += [_row(d["name"], c, d["categories"][c]) for c in cats]
     return rows
 
 
-HEADER = ["draft", "category", "τ", "α", "tok/s", "speedup", "bound", "eff", "exact"]
+HEADER = ["draft", "category", "τ", "α", "tok/s", "speedup", "vs-gen", "bound", "eff", "exact"]
 
 
 def format_table(report: dict) -> str:

@@ -19,6 +19,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def kernel_choices_apart(tmp_path_factory):
+    """The kernel choices eval measures for tiny targets go to a file of the session's, not the user's cache."""
+    from draftsmith.decode import kernel_choice
+
+    with pytest.MonkeyPatch.context() as patch:
+        path = tmp_path_factory.mktemp("kernels") / kernel_choice.CACHE_NAME
+        patch.setattr(kernel_choice, "cache_path", lambda: path)
+        yield path
+
+
+@pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """Tiny models run fastest on one thread (a second one only waits); real-model tests raise it."""
     threads = torch.get_num_threads()

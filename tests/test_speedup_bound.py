@@ -242,11 +242,11 @@ def test_the_bound_appears_in_the_table_and_markdown(monkeypatch):
     report = fake_clock_run(monkeypatch)
     table = format_table(report)
     header = table.splitlines()[0].split()
-    assert header[6:8] == ["bound", "eff"]
+    assert header[5:9] == ["speedup", "vs-gen", "bound", "eff"]
     draft_row = next(line for line in table.splitlines() if line.startswith("scripted"))
     assert "1.44" in draft_row and f"{report['drafts'][0]['efficiency']:.2f}" in draft_row
     md = format_markdown(report)
-    assert "| draft | category | τ | α | tok/s | speedup | bound | eff | exact |" in md
+    assert "| draft | category | τ | α | tok/s | speedup | vs-gen | bound | eff | exact |" in md
     assert "Speedup bound, chain drafting" in md and "| scripted | 3: 20 | 2.30 | 2.30 | 0.30 | 1.30 |" in md
 
 
