@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from test_peer_training import H, fake_capture, run_in_peer
 
@@ -124,6 +125,7 @@ def test_the_subset_reads_back_as_the_capture_in_every_layout(tmp_path):
     assert len(held) == 1 and held[0]["input_ids"].tolist() == heldout[0]["input_ids"]
 
 
+@pytest.mark.engine
 def test_modelopt_reads_its_offline_layout(tmp_path):
     fake_bench_capture(tmp_path / "capture")
     bench.subset_work(tmp_path / "capture", tmp_path / "work", conversations=3, heldout=1)
