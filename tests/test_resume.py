@@ -281,3 +281,65 @@ def test_wandb_and_mlflow_log_offline_where_installed(name, folder, monkeypatch,
     train(make_config(tiny_target_dir, uniform_conversations, out, "--trainer.max_steps=2",
                       f"--trainer.loggers=[{name}]"), **QUIET)  # fmt: skip
     assert any((out / folder).rglob("*")), f"{name} wrote nothing under {out / folder}"
+
+
+def test_resume_with_last_ckpt_gone_continues_from_the_newest_step_checkpoint(
+    tiny_target_dir,
+    uniform_conversations,
+    tmp_path,
+    capsys,  # noqa: F811
+):
+    """last.ckpt lost, step checkpoints kept: --resume continues from the newest, saying so (it used to say
+    'no checkpoint ... run without --resume', which a run that exported a draft then refused)."""
+    out = tmp_path / "run"
+    steps = ("--trainer.ckpt_every=1", "--trainer.val_every=3", "--trainer.keep_checkpoints=2")
+    train(make_config(tiny_target_dir, uniform_conversations, out, "--trainer.max_steps=3", *steps), **QUIET)
+    (out / "checkpoints" / "last.ckpt").unlink()
+    capsys.readouterr()
+    config = make_config(tiny_target_dir, uniform_conversations, out, "--trainer.max_steps=4", *steps)
+    result = train(config, resume=True, **QUIET)
+    said = [line for line in capsys.readouterr().out.splitlines() if "--resume:" in line]
+    assert said == [
+        f"[draftsmith] --resume: {out / 'checkpoints' / 'last.ckpt'} is gone; resuming from the newest step "
+        f"checkpoint, {out / 'checkpoints' / 'step-0000003.ckpt'}"
+    ]
+    assert result.steps == 4
+    assert not (out / ".draftsmith.lock").exists()  # a finished run releases its folder
+
+
+def test_a_resume_with_fewer_keep_checkpoints_removes_the_older_step_checkpoints(
+    tiny_target_dir,
+    uniform_conversations,
+    tmp_path,
+    capsys,  # noqa: F811
+):
+    out = tmp_path / "run"
+    steps = ("--trainer.ckpt_every=1", "--trainer.val_every=5")
+    train(make_config(tiny_target_dir, uniform_conversations, out, "--trainer.max_steps=3",
+                      "--trainer.keep_checkpoints=3", *steps), **QUIET)  # fmt: skip
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "last.ckpt", "step-0000001.ckpt", "step-0000002.ckpt", "step-0000003.ckpt"
+    ]  # fmt: skip
+    capsys.readouterr()
+    config = make_config(tiny_target_dir, uniform_conversations, out, "--trainer.max_steps=5",
+                         "--trainer.keep_checkpoints=1", *steps)  # fmt: skip
+    train(config, resume=True, **QUIET)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last.ckpt", "step-0000005.ckpt"]
+    assert (
+        "[draftsmith] trainer.keep_checkpoints=1: removed the older step checkpoints step-0000001.ckpt, "
+        "step-0000002.ckpt"
+    ) in capsys.readouterr().out
+
+
+def test_a_recipe_refused_after_the_data_stage_leaves_no_new_folder(
+    tiny_target_dir,
+    uniform_conversations,
+    tmp_path,  # noqa: F811
+):
+    """A tap layer out of range is found once the target is loaded and the data rendered: the new output folder
+    the run made (its dataset cache, its lock) goes with the refusal, as a refusal before loading leaves none."""
+    out = tmp_path / "new"
+    taps = ("--draft.kind=eagle3", "--draft.options.capture_layer_ids=[0, 99]")
+    with pytest.raises(ValueError, match="layer id 99 is out of range"):
+        train(make_config(tiny_target_dir, uniform_conversations, out, *taps), **QUIET)
+    assert not out.exists()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from draftsmith import files
@@ -128,6 +129,49 @@ def last_checkpoint(output_dir: str | Path) -> Path | None:
     if path.is_dir():
         return path if any(path.iterdir()) else None
     return path if path.is_file() and path.stat().st_size > 0 else None
+
+
+def step_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The run's whole step checkpoints (``step-NNNNNNN.ckpt``, kept by ``trainer.keep_checkpoints``), oldest
+    first."""
+    directory = Path(output_dir) / CHECKPOINT_DIR
+    found = sorted(directory.glob("step-*.ckpt")) if directory.is_dir() else []
+    return [p for p in found if (any(p.iterdir()) if p.is_dir() else p.stat().st_size > 0)]
+
+
+class StepCheckpoints(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` (``last.ckpt`` and the newest ``save_top_k`` step checkpoints) held to
+    ``save_top_k`` also when a resume lowers it: Lightning restores the longer list and then drops one a save
+    only while the list is exactly that long, so the older ones stayed for good. When training starts, the
+    step checkpoints beyond the newest ``save_top_k`` are removed (said in a line), never the one resumed from."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self.dirpath is None or self.save_top_k < 0:
+            return
+        steps = step_checkpoints(Path(self.dirpath).parent)
+        resumed = Path(trainer.ckpt_path).resolve() if trainer.ckpt_path else None
+        extra = [p for p in steps[: max(len(steps) - self.save_top_k, 0)] if p.resolve() != resumed]
+        for path in extra:
+            self.best_k_models.pop(str(path), None)
+            self.best_k_models.pop(str(path.resolve()), None)
+        if self.best_k_models:  # the worst kept is the next to go (mode "max" on the step)
+            self.kth_best_model_path = min(self.best_k_models, key=lambda k: float(self.best_k_models[k]))
+            self.kth_value = self.best_k_models[self.kth_best_model_path]
+        if extra and trainer.is_global_zero:
+            for path in extra:
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            print(
+                f"[draftsmith] trainer.keep_checkpoints={self.save_top_k}: removed the older step checkpoints "
+                f"{', '.join(p.name for p in extra)}",
+                flush=True,
+            )
+
+
+def resume_point(output_dir: str | Path) -> Path | None:
+    """Where ``--resume`` continues from: ``last.ckpt``, or, where it is gone, the newest step checkpoint."""
+    steps = step_checkpoints(output_dir)
+    return last_checkpoint(output_dir) or (steps[-1] if steps else None)
 
 
 def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:

@@ -35,12 +35,11 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from draftsmith.files import DiskFullError
-from draftsmith.train.checkpoint import DRAFT_DIR, last_checkpoint
+from draftsmith.files import DiskFullError, out_of_space
+from draftsmith.train.checkpoint import DRAFT_DIR, resume_point
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 LOCK_NAME = ".draftsmith.lock"
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class FolderInUseError(ValueError):
@@ -87,7 +86,7 @@ def next_step(
     """(what a stopped run kept, how to go on): ``resume_command`` once a checkpoint exists; before the first
     one, ``rerun_command`` (``--overwrite`` added when the run already exported a draft, which a plain
     rerun would refuse to replace), reusing the offline cache's finished shards in ``cache_dir``."""
-    ckpt = last_checkpoint(output_dir)
+    ckpt = resume_point(output_dir)
     if ckpt is not None:
         return f"the last good checkpoint, {ckpt}, is kept", f"continue with: {resume_command}"
     shards = sorted(cache_dir.glob("*/shard-*.safetensors"))
@@ -184,7 +183,12 @@ class OutputLock:
     ``flock`` locks are the kernel's: they die with the process, so there is never a stale lock to clear.
     On network filesystems they hold across machines where the filesystem supports them (NFSv4; NFSv3
     with lockd; Lustre mounted with ``-o flock``). Where it refuses locks (ENOLCK, EOPNOTSUPP), the job
-    warns and runs without one.
+    warns and runs without one. The lock file is removed when the job ends, while it is still locked; a job
+    that locked a file just removed so (its path now names another file or none) takes the lock again.
+
+    A run that made the folder and is refused by a config check (a ``ValueError`` other than a non-finite
+    stop) before it saved any checkpoint or draft leaves nothing: the folder goes with what the run put in it
+    (its dataset cache, token counts, recipe, logs).
     """
 
     def __init__(self, directory: str | Path):
@@ -195,6 +199,28 @@ class OutputLock:
     def __enter__(self) -> OutputLock:
         self._made_folder = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            f = self._lock()
+            try:  # locked the file an ending job removed: the path is someone else's (or no one's) now
+                if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            f.close()
+        f.seek(0)
+        f.truncate()
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        }
+        f.write(json.dumps(holder) + "\n")
+        f.flush()
+        os.chmod(self.path, 0o644)
+        self._file = f
+        return self
+
+    def _lock(self):
         f = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for the lock's life)
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -216,27 +242,29 @@ class OutputLock:
                 f"({err.strerror}); nothing stops a second job from using this output folder",
                 flush=True,
             )
-        f.seek(0)
-        f.truncate()
-        holder = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        }
-        f.write(json.dumps(holder) + "\n")
-        f.flush()
-        os.chmod(self.path, 0o644)
-        self._file = f
-        return self
+        return f
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if self._file is None:
             return
         folder = self.path.parent
-        if self._made_folder and os.listdir(folder) == [LOCK_NAME]:  # a run that failed before writing
-            self.path.unlink()
-            folder.rmdir()
-        self._file.close()  # closing releases the lock; the file stays (removing it would race)
+        refused = (
+            exc_type is not None
+            and issubclass(exc_type, ValueError)
+            and not issubclass(exc_type, NonFiniteError)
+        )
+        if (
+            self._made_folder
+            and refused
+            and resume_point(folder) is None
+            and not (folder / DRAFT_DIR).exists()
+        ):
+            shutil.rmtree(folder, ignore_errors=True)  # a new folder, refused before it held any work
+        else:
+            self.path.unlink(missing_ok=True)  # while still locked: see the class doc
+            if self._made_folder and not os.listdir(folder):  # a run that failed before writing
+                folder.rmdir()
+        self._file.close()  # closing releases the lock
         self._file = None
 
 
@@ -255,13 +283,12 @@ def disk_full_error(err: BaseException, folder: Path, kept: str, go_on: str) -> 
     torch's zip writer reports a full disk as ``RuntimeError: ... unexpected pos``, without the errno,
     so the free space of the folder is asked too.
     """
-    codes = {getattr(e, "errno", None) for e in _chain(err)}
     probe = folder
     while not probe.exists():
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     torch_writer = any("unexpected pos" in str(e) or "PytorchStreamWriter" in str(e) for e in _chain(err))
-    if not (codes & set(NO_SPACE) or (torch_writer and free < 64 * 2**20)):
+    if not (out_of_space(err) or (torch_writer and free < 64 * 2**20)):
         return None
     return DiskFullError(
         f"No space left on device while writing into {folder} ({free / 2**20:.0f} MiB free); {kept}. Free some "

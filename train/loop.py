@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import yaml
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
@@ -32,9 +32,11 @@ from draftsmith.train.checkpoint import (
     DRAFT_DIR,
     LAST,
     AtomicCheckpointIO,
+    StepCheckpoints,
     check_resume_target,
     last_checkpoint,
     remove_partial_checkpoints,
+    resume_point,
 )
 from draftsmith.train.corpus.dataset_cache import cached_dataset
 from draftsmith.train.corpus.dataset_cache import default_root as default_dataset_root
@@ -169,7 +171,7 @@ class TrainResult:
 def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Trainer:
     t = config.trainer
     callbacks = [
-        ModelCheckpoint(  # last.ckpt, and the last keep_checkpoints step checkpoints beside it
+        StepCheckpoints(  # last.ckpt, and the last keep_checkpoints step checkpoints beside it
             dirpath=output_dir / CHECKPOINT_DIR,
             filename="step-{step:07d}",
             auto_insert_metric_name=False,
@@ -293,7 +295,13 @@ def _train_locked(
 ) -> TrainResult:
     output_dir = Path(config.output.dir)
     changes = preflight(config, resume, overwrite, force_resume)  # again, now that no other job can write
-    ckpt = last_checkpoint(output_dir)
+    ckpt = resume_point(output_dir)
+    if resume and rank == 0 and ckpt is not None and ckpt.name != LAST:
+        print(
+            f"[draftsmith] --resume: {output_dir / CHECKPOINT_DIR / LAST} is gone; resuming from the newest step "
+            f"checkpoint, {ckpt}",
+            flush=True,
+        )
     if rank == 0:
         remove_partial_checkpoints(output_dir)  # left by a run killed while writing one
         files.remove_stale(output_dir, DRAFT_DIR)  # ... or while exporting the draft

@@ -14,7 +14,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from draftsmith import files
 from draftsmith.sources import check_source
-from draftsmith.train.checkpoint import CHECKPOINT_DIR, DRAFT_DIR, LAST, TRAIN_STATE, last_checkpoint
+from draftsmith.train.checkpoint import CHECKPOINT_DIR, DRAFT_DIR, LAST, TRAIN_STATE, resume_point
 from draftsmith.train.loggers import check_loggers
 from draftsmith.train.registry import check_objective_options
 from draftsmith.train.schema import TrainConfig, to_dict
@@ -66,10 +66,11 @@ def preflight(config: TrainConfig, resume: bool, overwrite: bool, force_resume: 
     """Check what can be checked before loading the target; return the recipe changes of a resume."""
     output_dir = Path(config.output.dir)
     files.check_writable(output_dir, "output.dir")
-    ckpt = last_checkpoint(output_dir)
+    ckpt = resume_point(output_dir)  # last.ckpt, or the newest step checkpoint where it is gone
     if resume and ckpt is None:
         raise FileNotFoundError(
-            f"--resume: no checkpoint at {output_dir / CHECKPOINT_DIR / LAST}; run without --resume"
+            f"--resume: no checkpoint at {output_dir / CHECKPOINT_DIR / LAST} nor any step checkpoint beside it; "
+            "run without --resume"
         )
     if resume:  # written whole and renamed into place: a damaged one was cut short by a copy or a move
         files.check_checkpoint(
