@@ -23,7 +23,6 @@ from pydantic.dataclasses import dataclass
 from torch import nn
 
 from draftsmith.drafts.base import DRAFT_KIND_KEY, PEAGLE, check_mask_token, default_mask_token
-from draftsmith.drafts.taps import check_tap_layers, default_tap_layers
 from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Teacher
 from draftsmith.train.objectives.common import (
@@ -49,8 +48,7 @@ class PEagleOptions:
     num_layers: Annotated[int, Field(ge=1)] = 1
     """Decoder layers in the head (the engines' EAGLE-3 layout has one)."""
     capture_layer_ids: list[int] | None = None
-    """Target layers the head reads (0-based outputs, strictly increasing, never the last; null = EAGLE-3's low /
-    middle / high)."""
+    """Target layers the head reads (0-based outputs; null = EAGLE-3's low / middle / high)."""
     draft_vocab_size: Annotated[int, Field(ge=1)] | None = None
     """The draft vocabulary: the training data's most frequent tokens (null = 32000, at most the target's)."""
     mask_token_id: int | None = None
@@ -82,9 +80,6 @@ class PEagleObjective(EagleObjective):
         teacher_topk: int = 64,
         token_counts: torch.Tensor | None = None,
     ):
-        n_layers = target.config.num_hidden_layers  # one rule for the taps: drafts/taps.py
-        taps = default_tap_layers(n_layers) if capture_layer_ids is None else list(capture_layer_ids)
-        capture_layer_ids = check_tap_layers(taps, n_layers, "P-EAGLE head")
         super().__init__(target, num_layers=num_layers, capture_layer_ids=capture_layer_ids,
                          draft_vocab_size=draft_vocab_size, ttt_steps=1, token_counts=token_counts,
                          teacher_topk=teacher_topk)  # fmt: skip
