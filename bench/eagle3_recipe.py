@@ -6,11 +6,15 @@ one packed 512-token row a step, with one change each, then the keeper at more s
 of the 0.4M sweep (``peer_seeds_400k.json``; the same data stage, capture and held-out judge, so their held-out
 figures are reused, not retrained). Prints the ablation table and the deciding table, writes JSON with a
 ``summary`` list of ``{"pipeline", "setting", "tokens", "dev_tau", "heldout_tau"}`` (the default marked
-``"default": true``). dev τ is listed only where it was judged in one interleaved run with the others; a peer's
-dev figures from the earlier sweep runs (12 prompts, another run) are not mixed in.
+``"default": true``). A peer whose runs the record holds too (retrained on the record's machine, same data,
+capture and judge) takes its held-out figures from the record. dev τ comes from ``--dev``: one interleaved
+``draftsmith eval`` report over the heads (each named by its path under ``WORK/runs/RUN/``), on dev prompts
+no head trained on; a peer's dev figures from the earlier sweep runs (12 prompts, another run) are not
+mixed in.
 
     python bench/eagle3_recipe.py --record bench/results/eagle3_recipe_400k.json \\
-        --peers bench/results/peer_seeds_400k.json bench/results/peer_seeds_400k_muon.json --out bench/results/eagle3_recipe.json
+        --peers bench/results/peer_seeds_400k.json bench/results/peer_seeds_400k_muon.json \\
+        --dev bench/results/eagle3_dev_400k.json --out bench/results/eagle3_recipe.json
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ CHANGES = {  # run label -> (what it changes, the run it is compared with)
     ),
     "r45lin": ("speculators' schedule: linear decay to 0, warm-up 1 % (8 steps)", BASE),
     "r45noise": ("uniform feature noise +-0.05 on the tapped states", BASE),
+    "r45regen": (
+        "the default on the target's own answers: the same 1,886 prompts regenerated through vLLM (bench/regen_pool.py)",
+        KEEPER,
+    ),
 }
 MUON_POINT = "draftsmith-b1muon"
 """The sweep's run of the same setting as ``BASE``: its seed-0 record stands in where ``BASE`` did not run."""
@@ -51,6 +59,28 @@ MUON_POINT = "draftsmith-b1muon"
 def spread(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values) if values else None,
             "sd": statistics.stdev(values) if len(values) > 1 else None, "n": len(values), "values": values}  # fmt: skip
+
+
+def dev_taus(report: dict, runs: dict) -> dict[str, float]:
+    """Run name -> τ of each head in a ``draftsmith eval`` report, the run named by a part of the head's path."""
+    taus = {}
+    for draft in report["drafts"]:
+        names = [part for part in Path(draft["name"]).parts if part in runs]
+        if names:
+            taus[names[-1]] = draft["tau"]
+    return taus
+
+
+def dev_judge(report: dict | None, path: Path) -> dict | None:
+    """What the dev judge was: its prompts and settings, its code's commit, machine, and the target's speed."""
+    if report is None:
+        return None
+    s = report["settings"]
+    return {"report": str(path), "prompts": s["prompts"], "num_prompts": s["num_prompts"], "order": s["order"],
+            "max_new_tokens": s["max_new_tokens"], "k": s["k"], "greedy": report["greedy"],
+            "provenance": report.get("provenance"), "hardware": report["hardware"],
+            "exact": all(d["exact_match"] for d in report["drafts"]),
+            "speedup": {d["name"]: d["speedup"] for d in report["drafts"]}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,9 +93,17 @@ def main(argv: list[str] | None = None) -> int:
         help="3-seed records of the sweep (every pipeline's point)",
         default=[Path("bench/results/peer_seeds_400k.json"), Path("bench/results/peer_seeds_400k_muon.json")],
     )
+    p.add_argument(
+        "--dev",
+        type=Path,
+        default=Path("bench/results/eagle3_dev_400k.json"),
+        help="the dev judge: a draftsmith eval report.json over the heads, in one interleaved run",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/eagle3_recipe.json"))
     args = p.parse_args(argv)
     record = json.loads(args.record.read_text())
+    dev_report = json.loads(args.dev.read_text()) if args.dev.exists() else None
+    dev = dev_taus(dev_report, record["train"]) if dev_report else {}
     tokens = record["budget"]["tokens_asked"]
     runs = {name: run for name, run in record["train"].items() if (run.get("judge") or {}).get("tau")}
     references = {name: run["judge"]["tau"] for name, run in runs.items()}
@@ -83,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name, run in runs.items():
         label = name.removeprefix("draftsmith-")
-        if "-seed" in label:
+        if "-seed" in label or not name.startswith("draftsmith-"):  # a seed, or a peer retrained here
             continue
         tau = run["judge"]["tau"]
         change, against = CHANGES.get(label, ("; ".join(run.get("overrides", [])), BASE))
@@ -97,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {label:10s} {tau:6.3f} {shown:18s} {row['change']}")
 
     keeper = [runs[n]["judge"]["tau"] for n in (KEEPER, f"{KEEPER}-seed1", f"{KEEPER}-seed2") if n in runs]
-    summary = [{"pipeline": "draftsmith", "setting": DEFAULT_SETTING, "tokens": tokens, "dev_tau": [],
-                "heldout_tau": keeper, "default": True, "runs": [n for n in runs if n.startswith(KEEPER)]}]  # fmt: skip
+    keeper_runs = [n for n in (KEEPER, f"{KEEPER}-seed1", f"{KEEPER}-seed2") if n in runs]
+    summary = [{"pipeline": "draftsmith", "setting": DEFAULT_SETTING, "tokens": tokens,
+                "dev_tau": [dev[n] for n in keeper_runs if n in dev], "heldout_tau": keeper, "default": True,
+                "runs": keeper_runs}]  # fmt: skip
     seen = set()
     for (
         path
@@ -107,19 +147,34 @@ def main(argv: list[str] | None = None) -> int:
             if tuple(entry["runs"]) in seen:
                 continue
             seen.add(tuple(entry["runs"]))
-            summary.append({"pipeline": pipeline, "setting": entry["setting"], "tokens": tokens, "dev_tau": [],
-                            "heldout_tau": entry["heldout_tau"]["values"], "runs": entry["runs"],
-                            "reused_from": str(path), "default": False})  # fmt: skip
+            row = {"pipeline": pipeline, "setting": entry["setting"], "tokens": tokens,
+                   "dev_tau": [dev[n] for n in entry["runs"] if n in dev], "runs": entry["runs"], "default": False}  # fmt: skip
+            if all(n in runs for n in entry["runs"]):  # retrained here: the record's own judge
+                row.update(
+                    heldout_tau=[runs[n]["judge"]["tau"] for n in entry["runs"]],
+                    retrained_in=str(args.record),
+                )
+            else:
+                row.update(heldout_tau=entry["heldout_tau"]["values"], reused_from=str(path))
+            summary.append(row)
     print(
-        f"\nDeciding table at {tokens:,} tokens (held-out τ, mean ± sd over seeds; dev not judged in one run yet)"
+        f"\nDeciding table at {tokens:,} tokens (τ, mean ± sd over seeds; dev: {len(dev)} heads judged in one run)"
     )
     for row in summary:
-        s = spread(row["heldout_tau"])
-        sd = f"± {s['sd']:.3f}" if s["sd"] is not None else ""
-        print(f"  {row['pipeline']:12s} {s['mean']:.3f} {sd:8s} n={s['n']}  {' '.join(row['setting'])}")
+        cells = []
+        for key in ("dev_tau", "heldout_tau"):
+            s = spread(row[key])
+            sd = f" ± {s['sd']:.3f}" if s["sd"] is not None else ""
+            cells.append(
+                f"{key.split('_')[0]} {s['mean']:.3f}{sd} (n={s['n']})"
+                if s["n"]
+                else f"{key.split('_')[0]} —"
+            )
+        print(f"  {row['pipeline']:12s} {cells[0]:28s} {cells[1]:28s} {' '.join(row['setting'])}")
     result = {"provenance": provenance(), "record": str(args.record), "tokens": tokens, "judge": "bench/heldout_tau.py "
               "--recipe quickstart --k 5 (40 held-out conversations)", "base": {"run": BASE, "heldout_tau": base, "from": base_from}, "ablations": ablations, "summary": summary,
-              "heldout_spread": [spread(row["heldout_tau"]) for row in summary]}  # fmt: skip
+              "heldout_spread": [spread(row["heldout_tau"]) for row in summary],
+              "dev_spread": [spread(row["dev_tau"]) for row in summary], "dev_judge": dev_judge(dev_report, args.dev)}  # fmt: skip
     write_json(args.out, result)
     return 0
 
