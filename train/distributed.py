@@ -9,6 +9,7 @@ frozen target is never part of the strategy's module: each rank holds it in its 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import importlib.util
@@ -169,12 +170,21 @@ def check_strategy(t: TrainerConfig) -> None:
 
 
 def build_strategy(t: TrainerConfig) -> Any:
-    """The Lightning strategy for ``trainer.strategy`` (a name Lightning resolves, or a strategy object)."""
+    """The Lightning strategy for ``trainer.strategy`` (a name Lightning resolves, or a strategy object).
+
+    On the CPU, FSDP and DeepSpeed run over gloo although Lightning refuses them there (see
+    ``_cpu_fsdp`` and ``_atomic_deepspeed``): both engines train on CPUs, and the suite runs them so.
+    """
     check_strategy(t)
     name = t.strategy
+    on_cpu = (
+        t.accelerator in ("cpu", "auto") and trainer_device_type(t) == "cpu"
+    )  # gpu without one: Lightning says so
     if name.startswith("deepspeed"):
-        return _atomic_deepspeed(name)
+        return _atomic_deepspeed(name, on_cpu)
     if name in ("fsdp", "fsdp_cpu_offload"):
+        if on_cpu:
+            return _cpu_fsdp(planned_rank(t)[2])
         from lightning.pytorch.strategies import FSDPStrategy
 
         return FSDPStrategy(
@@ -187,13 +197,122 @@ def build_strategy(t: TrainerConfig) -> Any:
     return name
 
 
-def _atomic_deepspeed(name: str):
-    """Lightning's DeepSpeed strategy for a registry name, writing its checkpoint directory atomically."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
+def _cpu_fsdp(world_size: int):
+    """FSDP of the draft on CPU processes: torch's FSDP2 (``fully_shard``, ``shard_draft``) under Lightning's
+    ``ModelParallelStrategy``, all ranks one data-parallel dimension, checkpoints gathered into one file.
+
+    Lightning's ``FSDPStrategy`` (FSDP1) cannot run there: Lightning's accelerator connector refuses it
+    unless the accelerator is cuda or gpu (``lightning/pytorch/trainer/connectors/accelerator_connector.py``,
+    ``_check_strategy_and_fallback``, 2.6: "The strategy `fsdp` requires a GPU accelerator"), and past that
+    torch's FSDP1 refuses a CPU-only module (``torch/distributed/fsdp/_init_utils.py``,
+    ``_init_device_handle``: "FSDP needs a non-CPU accelerator device"). FSDP2 shards on a CPU device mesh
+    over gloo, and ``ModelParallelStrategy`` asks the module to shard itself in ``configure_model``
+    (``DraftModule.configure_model`` calls ``shard_draft``).
+    """
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(
+        data_parallel_size=world_size,
+        tensor_parallel_size=1,
+        save_distributed_checkpoint=False,  # one file, gathered on rank 0: resumable on another world size
+    )
+
+
+def whole_draft(draft: nn.Module, build) -> nn.Module | None:
+    """The draft with whole weights, for export: ``draft`` itself unless FSDP2 sharded it; then, on rank 0, a
+    fresh one from ``build()`` holding the gathered weights (None on the other ranks). Every rank calls it:
+    gathering a sharded draft is a collective."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(draft, FSDPModule):
+        return draft
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    whole = build()
+    whole.load_state_dict(state)
+    return whole
+
+
+def shard_draft(draft: nn.Module, mesh) -> nn.Module:
+    """FSDP2 on the draft, in place: each decoder layer its own unit (gathered for its forward and
+    backward, freed after), then the root (embeddings, fusion, head). Calling it again does nothing."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(draft, FSDPModule):
+        return draft
+    for module in list(draft.modules()):
+        if type(module).__name__.endswith(("DecoderLayer", "Block")):
+            fully_shard(module, mesh=mesh)
+    fully_shard(draft, mesh=mesh)
+    return draft
+
+
+def _atomic_deepspeed(name: str, on_cpu: bool = False):
+    """Lightning's DeepSpeed strategy for a registry name, writing its checkpoint directory atomically.
+
+    ``on_cpu``: DeepSpeed's CPU accelerator over gloo (DeepSpeed 0.14.1 and later). Lightning's strategy
+    refuses every accelerator but CUDA in ``setup_environment`` ("The DeepSpeed strategy is only supported
+    on CUDA GPUs", ``lightning/pytorch/strategies/deepspeed.py``, 2.6), its ``setup_distributed`` checks
+    that device indices equal local ranks, which CPU devices (no index) cannot, and it hands DeepSpeed the
+    device index as ``device_rank`` (None on the CPU, where DeepSpeed's engine wants -1). Those three are
+    overridden here, and DeepSpeed is told to use its CPU accelerator (``DS_ACCELERATOR=cpu``).
+    """
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, StrategyRegistry
+
+    if on_cpu:
+        os.environ["DS_ACCELERATOR"] = "cpu"  # read once, when deepspeed.accelerator first resolves
 
     class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
         """DeepSpeed writes a checkpoint as a directory from every rank; write it under a temporary
         name and let rank 0 rename it into place once all ranks are done."""
+
+        def setup_environment(self) -> None:
+            if not on_cpu:
+                return super().setup_environment()
+            _use_deepspeed_cpu_accelerator()
+            DDPStrategy.setup_environment(self)  # what DeepSpeedStrategy's does, less its CUDA check
+
+        def setup_distributed(self) -> None:
+            if not on_cpu:
+                return super().setup_distributed()
+            from lightning.fabric.utilities.seed import reset_seed
+
+            reset_seed()
+            self.set_world_ranks()
+            self._init_deepspeed_distributed()  # gloo: Lightning's backend for a CPU root device
+
+        def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+            if not on_cpu:
+                return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+            import deepspeed
+
+            engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+                args=argparse.Namespace(device_rank=-1),  # Lightning passes the device index: None on the CPU
+                config=self.config,
+                model=model,
+                model_parameters=[p for p in model.parameters() if p.requires_grad],
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                dist_init_required=False,
+            )
+            return engine, deepspeed_optimizer
+
+        def _initialize_deepspeed_inference(self, model) -> None:
+            if not on_cpu:
+                return super()._initialize_deepspeed_inference(model)
+            import deepspeed
+            from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+            config = {"train_micro_batch_size_per_gpu": 1}  # as Lightning's, with device_rank=-1 (ZeRO-1/2)
+            config.update({k: self.config[k] for k in ("fp16", "bf16") if k in self.config})
+            remove_module_hooks(model)
+            args = argparse.Namespace(device_rank=-1)
+            self.model = deepspeed.initialize(args=args, config=config, model=model, optimizer=None,
+                                              lr_scheduler=None, model_parameters=[], dist_init_required=False)[0]  # fmt: skip
 
         def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
             path = Path(filepath)
@@ -216,6 +335,26 @@ def _atomic_deepspeed(name: str):
 
     entry = StrategyRegistry[name]
     return AtomicDeepSpeedStrategy(**entry["init_params"])
+
+
+def _use_deepspeed_cpu_accelerator() -> None:
+    """Make DeepSpeed's accelerator its CPU one, also where it resolved to a GPU before ``DS_ACCELERATOR``
+    was set (a process that imported deepspeed earlier on a GPU machine), with no op compiled at start.
+
+    ``deepspeed.init_distributed`` on the CPU compiles its shared-memory all-reduce (a C++ extension,
+    minutes of g++ on 2 cores, built by every rank at once into one folder) when ``deepspeed.ops`` lists
+    it as compatible; that kernel serves only ``inference_all_reduce`` (tensor-parallel inference), not
+    training, whose collectives go through torch.distributed (gloo). Listing no op as compatible skips
+    both the build and the probe of every op (compiler runs) that would fill the list.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        set_accelerator(CPU_Accelerator())
+    deepspeed.ops.__compatible_ops__ = {}  # read only by deepspeed.comm.torch.build_shm_op (0.19.8)
 
 
 def enable_activation_checkpointing(draft: nn.Module, kind: str) -> None:

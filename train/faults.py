@@ -322,10 +322,12 @@ def nonfinite_line(err: NonFiniteError, kept: str, go_on: str, lr: float) -> str
 
 
 def _first_bad(tensors: list[torch.Tensor]) -> int | None:
-    """The index of the first tensor with an infinite or NaN entry, or None; one device sync for all."""
+    """The index of the first tensor with an infinite or NaN entry, or None; one device sync for all. A
+    sharded tensor (FSDP2's DTensor) is checked on this rank's shard: the ranks' verdicts are combined after."""
     if not tensors:
         return None
-    finite = torch.stack([torch.isfinite(t).all() for t in tensors]).cpu()
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    finite = torch.stack([torch.isfinite(t).all() for t in local]).cpu()
     return None if bool(finite.all()) else int((~finite).nonzero()[0])
 
 

@@ -24,6 +24,7 @@ from draftsmith.decode.features import final_norm
 from draftsmith.decode.target import Target
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.train.checkpoint import DRAFT_DIR, TRAIN_STATE, drop_frozen, export_draft, restore_frozen
+from draftsmith.train.distributed import shard_draft, whole_draft
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.optimizers import build_optimizer
 from draftsmith.train.schema import TrainConfig, to_dict
@@ -82,6 +83,12 @@ class DraftModule(L.LightningModule):
         self.draft = objective.build_draft()
         self.val_history: list[dict[str, float]] = []
         self._val_hist: torch.Tensor | None = None
+
+    def configure_model(self) -> None:
+        """Where the strategy is FSDP2 (``trainer.strategy: fsdp`` on the CPU, ``distributed._cpu_fsdp``) it
+        gives the module a device mesh, and the draft is sharded over it from outside (``shard_draft``)."""
+        if self.device_mesh is not None:
+            shard_draft(self.draft, self.device_mesh["data_parallel"])
 
     # ---- data on the device, teacher outputs
 
@@ -170,16 +177,19 @@ class DraftModule(L.LightningModule):
             return
         record = {"step": int(self.global_step), **summary, "histogram": hist.cpu().tolist()}
         self.val_history.append(record)
+        draft = whole_draft(self.draft, self.objective.build_draft)  # every rank: a sharded draft is gathered
         if self.trainer.is_global_zero:
-            self.export(record)
+            self.export(record, draft)
 
-    def export(self, record: dict) -> Path:
+    def export(self, record: dict, draft: torch.nn.Module | None = None) -> Path:
         """Write the draft (save_pretrained) with the resolved config and its last validation, atomically."""
         extra = {
             "train_config.yaml": yaml.safe_dump(to_dict(self.config), sort_keys=False),
             TRAIN_STATE: files.json_text(record),
         }
-        return export_draft(self.objective, self.draft, self.output_dir / DRAFT_DIR, extra)
+        return export_draft(
+            self.objective, self.draft if draft is None else draft, self.output_dir / DRAFT_DIR, extra
+        )
 
     # ---- checkpoints: without the frozen copies of the target's weights (train/checkpoint.py)
 

@@ -200,7 +200,7 @@ class TrainerConfig:
     """Nodes to train on (launch one process per device with torchrun or srun; see docs/TRAINING.md)."""
     strategy: str = "auto"
     """How the draft is replicated or sharded: auto, ddp, ddp_find_unused_parameters_true, ddp_spawn, fsdp,
-    fsdp_cpu_offload, deepspeed_stage_2, deepspeed_stage_2_offload, deepspeed_stage_3,
+    fsdp_cpu_offload, deepspeed_stage_1, deepspeed_stage_2, deepspeed_stage_2_offload, deepspeed_stage_3,
     deepspeed_stage_3_offload (DeepSpeed: pip install 'draftsmith[deepspeed]'). Presets: configs/presets/."""
     activation_checkpointing: bool = False
     """Recompute the draft's decoder-layer activations in the backward pass: less memory, more compute."""
@@ -238,7 +238,8 @@ class TrainConfig:
 
 
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "ddp_spawn", "fsdp", "fsdp_cpu_offload",
-              "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload")  # fmt: skip
+              "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
+              "deepspeed_stage_3_offload")  # fmt: skip
 """``trainer.strategy``: Lightning's names (``train/distributed.py`` builds them); a str, for the did-you-mean."""
 
 
