@@ -19,7 +19,7 @@ original weight (shared, so state dicts, tied embeddings and hooks see the same 
 packed copy. Whether a packed layer runs oneDNN or PyTorch's stock kernel is its ``KernelPolicy``'s
 call, per row count (one row: plain decoding and drafting; more: a verify pass or a prompt), so the
 choice can follow what measures faster on the machine (``decode/kernel_choice.py``): packing wins on
-the AMD EPYC it was written on and loses to stock on an AMX Xeon (BENCHMARKS.md, "CPU kernels"). It is for inference only: a packed layer refuses to run when autograd would need its
+the CPU it was written on and loses to stock on one with AMX matrix units (BENCHMARKS.md, "CPU kernels"). It is for inference only: a packed layer refuses to run when autograd would need its
 weight's gradient, since the packed copy would not follow an update. ``unpack_linears`` undoes it.
 Packing is skipped (and says why) where it does not apply: not a CPU tensor, not float32, or a
 PyTorch without the oneDNN op.

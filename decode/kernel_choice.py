@@ -1,8 +1,8 @@
 """The CPU kernels for decoding, chosen by measuring them on this machine and this target.
 
 oneDNN on prepacked weights (``decode/cpu_kernels.py``) reads the weights of a few-row product at close
-to memory speed on the AMD EPYC it was written for, and is ~30 % slower than PyTorch's stock kernels on
-an AMX Xeon (BENCHMARKS.md, "CPU kernels"): no fixed choice is right for every CPU. ``choose_kernels``
+to memory speed on the CPU it was written for, and is slower than PyTorch's stock kernels on a CPU with
+AMX matrix units (BENCHMARKS.md, "CPU kernels"): no fixed choice is right for every CPU. ``choose_kernels``
 times both on the real target, after a prefill of ``CONTEXT`` positions, for the two product shapes
 decoding has: one token (plain decoding, the baseline) and a verify pass of ``width`` tokens. Rounds
 alternate the kernels' order, the first ``WARMUP`` rounds are dropped and the median of the rest is
@@ -37,8 +37,7 @@ CACHE_NAME = "kernels.json"
 
 def machine_key() -> str:
     """What makes timings comparable: CPU model and matrix flags, torch version, threads."""
-    from draftsmith.eval.report import cpu_model
-    from draftsmith.loading import cpu_flags
+    from draftsmith.loading import cpu_flags, cpu_model
 
     flags = ",".join(
         sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512_bf16", "avx512f", "avx2")))

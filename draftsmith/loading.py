@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import platform
 from functools import cache
 from pathlib import Path
 
@@ -44,6 +45,17 @@ def resolve_device(device: str = "auto") -> torch.device:
 CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 """x86 CPU flags (``/proc/cpuinfo``) of bfloat16 matrix instructions: AMX tiles (Sapphire Rapids and
 later) or AVX512-BF16 dot products (Cooper Lake, Zen 4 and later)."""
+
+
+def cpu_model() -> str:
+    """This CPU's model name as Linux reports it, or what ``platform`` knows elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 @cache

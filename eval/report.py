@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from draftsmith.eval.mirror_stats import MirrorStats
 from draftsmith.eval.numbers import cell, json_number, json_ratio
 from draftsmith.eval.plots import PLOT_NAME
 from draftsmith.eval.stats import RunStats, SpeedupBound
+from draftsmith.loading import cpu_model
 
 _METRICS = """\
 τ (tau)   tokens committed per target verify forward, the target's bonus/correction token included
@@ -42,16 +42,6 @@ of a draft's report, its table and its lines of the metric definitions."""
 
 METRICS = "\n".join([_METRICS, *(mode.metrics for mode in MODES)])
 """The metric definitions: ``draftsmith eval --help``, report.md, the card."""
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def hardware_description(device: torch.device, dtype: torch.dtype) -> str:

@@ -342,7 +342,7 @@ def _use_deepspeed_cpu_accelerator() -> None:
     was set (a process that imported deepspeed earlier on a GPU machine), with no op compiled at start.
 
     ``deepspeed.init_distributed`` on the CPU compiles its shared-memory all-reduce (a C++ extension,
-    minutes of g++ on 2 cores, built by every rank at once into one folder) when ``deepspeed.ops`` lists
+    minutes of g++ on a small machine, built by every rank at once into one folder) when ``deepspeed.ops`` lists
     it as compatible; that kernel serves only ``inference_all_reduce`` (tensor-parallel inference), not
     training, whose collectives go through torch.distributed (gloo). Listing no op as compatible skips
     both the build and the probe of every op (compiler runs) that would fill the list.
