@@ -387,9 +387,11 @@ def _train_locked(
     trainer = make_trainer(config, output_dir, callbacks=callbacks, **trainer_overrides)
     try:
         trainer.fit(module, train_loader, val_loader, ckpt_path=str(ckpt) if resume else None)
+        # all of it, and quietly; before validate, which re-initialises a DeepSpeed engine for inference
+        # (no optimizer: a checkpoint saved from it has no ZeRO optimizer states and cannot be resumed)
+        trainer.save_checkpoint(last, weights_only=False)
         if not module.val_history or module.val_history[-1]["step"] != trainer.global_step:
             trainer.validate(module, val_loader, verbose=False)  # final τ for the final weights (and export)
-        trainer.save_checkpoint(last, weights_only=False)  # all of it, and quietly
     finally:
         preemption.restore()
     val = {k: v for k, v in module.val_history[-1].items() if k not in ("step", "histogram")}
