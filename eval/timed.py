@@ -148,14 +148,19 @@ def side_by_side(
     decoders: dict[str, Decoder], warmup: torch.Tensor, prompts: Sequence[torch.Tensor], max_new_tokens: int
 ) -> dict[str, dict]:
     """Every decoder warmed up on ``warmup``, then timed over ``prompts`` interleaved (all decoders on
-    prompt 1, then on prompt 2, ...). Per decoder: tokens, seconds, tokens/s, its outputs, and how many
-    equal the first decoder's. Wall time per call: the new tokens come back as Python ints, so the device
-    has finished by then."""
+    prompt 1, then on prompt 2, ...), the order rotated by one each prompt: a run's speed depends on what
+    ran just before it (caches, the allocator, the CPU's clocks), so a fixed order favours some decoders;
+    on a CPU two runs of identical code differed by 26 % in tokens/s from their places alone. Per decoder:
+    tokens, seconds, tokens/s, its outputs, and how many equal the first decoder's. Wall time per call: the
+    new tokens come back as Python ints, so the device has finished by then."""
     for run in decoders.values():
         run(warmup, WARMUP_TOKENS)
     rows = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in decoders}
-    for prompt in prompts:
-        for name, run in decoders.items():
+    names = list(decoders)
+    for i, prompt in enumerate(prompts):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            run = decoders[name]
             start = time.perf_counter()
             out = run(prompt, max_new_tokens)
             rows[name]["seconds"] += time.perf_counter() - start
