@@ -96,14 +96,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dev",
         type=Path,
-        default=Path("bench/results/eagle3_dev_400k.json"),
-        help="the dev judge: a draftsmith eval report.json over the heads, in one interleaved run",
+        nargs="+",
+        default=[
+            Path("bench/results/eagle3_dev_400k.json"),
+            Path("bench/results/eagle3_dev_400k_regen.json"),
+        ],
+        help="the dev judge: draftsmith eval report.json files over the heads, the first the one interleaved run "
+        "of the deciding table, later ones for ablations (greedy τ does not depend on what else ran)",
     )
     p.add_argument("--out", type=Path, default=Path("bench/results/eagle3_recipe.json"))
     args = p.parse_args(argv)
     record = json.loads(args.record.read_text())
-    dev_report = json.loads(args.dev.read_text()) if args.dev.exists() else None
-    dev = dev_taus(dev_report, record["train"]) if dev_report else {}
+    dev_reports = [json.loads(path.read_text()) for path in args.dev if path.exists()]
+    dev = {}
+    for report in dev_reports:
+        dev |= dev_taus(report, record["train"])
+    dev_report = dev_reports[0] if dev_reports else None
     tokens = record["budget"]["tokens_asked"]
     runs = {name: run for name, run in record["train"].items() if (run.get("judge") or {}).get("tau")}
     references = {name: run["judge"]["tau"] for name, run in runs.items()}
@@ -127,12 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         change, against = CHANGES.get(label, ("; ".join(run.get("overrides", [])), BASE))
         delta = tau - references[against] if against else None
         row = {"run": name, "change": change, "heldout_tau": tau, "against": against, "delta": delta,
-               "per_position": run["judge"].get("per_position"), "commit": run["provenance"]["commit"],
+               "dev_tau": dev.get(name), "per_position": run["judge"].get("per_position"), "commit": run["provenance"]["commit"],
                "machine": run["provenance"]["machine"]["cpu"], "date": run["provenance"]["date"],
                "wall_s": run.get("wall_s")}  # fmt: skip
         ablations.append(row)
         shown = f"{delta:+6.3f} vs {against.removeprefix('draftsmith-')}" if against else ""
-        print(f"  {label:10s} {tau:6.3f} {shown:18s} {row['change']}")
+        dev_cell = f"dev {dev[name]:.3f}" if name in dev else ""
+        print(f"  {label:10s} {tau:6.3f} {shown:18s} {dev_cell:9s} {row['change']}")
 
     keeper = [runs[n]["judge"]["tau"] for n in (KEEPER, f"{KEEPER}-seed1", f"{KEEPER}-seed2") if n in runs]
     keeper_runs = [n for n in (KEEPER, f"{KEEPER}-seed1", f"{KEEPER}-seed2") if n in runs]
@@ -174,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"provenance": provenance(), "record": str(args.record), "tokens": tokens, "judge": "bench/heldout_tau.py "
               "--recipe quickstart --k 5 (40 held-out conversations)", "base": {"run": BASE, "heldout_tau": base, "from": base_from}, "ablations": ablations, "summary": summary,
               "heldout_spread": [spread(row["heldout_tau"]) for row in summary],
-              "dev_spread": [spread(row["dev_tau"]) for row in summary], "dev_judge": dev_judge(dev_report, args.dev)}  # fmt: skip
+              "dev_spread": [spread(row["dev_tau"]) for row in summary], "dev_judge": dev_judge(dev_report, args.dev[0]),
+              "dev_reports": [str(p) for p in args.dev if p.exists()]}  # fmt: skip
     write_json(args.out, result)
     return 0
 

@@ -133,6 +133,13 @@ CITED = {
         ),
         2,
     ),
+    # its dev τ on 96 dev prompts, the mean over the same seeds (one interleaved draftsmith eval)
+    "τ 1.40": (
+        lambda: statistics.fmean(
+            json.loads((RESULTS / "eagle3_recipe.json").read_text())["summary"][0]["dev_tau"]
+        ),
+        2,
+    ),
 }
 FIGURE = re.compile(r"τ(?: of| =)? \d+\.\d+|\d+(?:\.\d+)?\s?[×x](?=[\s,.;)])")
 
