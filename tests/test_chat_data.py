@@ -18,7 +18,7 @@ from tiny import tiny_tokenizer, train_debug_recipe
 
 from draftsmith.cli import build_parser, main
 from draftsmith.train.config import load_config
-from draftsmith.train.corpus.conversations import load_conversations
+from draftsmith.train.corpus.conversations import load_conversations, restored
 from draftsmith.train.corpus.regenerate import Dialogue, strip_thinking
 from draftsmith.train.corpus.served import errors_path
 from draftsmith.train.corpus.tokens import build_dataset, chat_text, render
@@ -224,6 +224,30 @@ def test_tool_messages_are_context_and_tool_calls_are_trained_as_the_template_re
     text = tok.decode(rows[0]["input_ids"])
     assert '<|start_header_id|>ipython<|end_header_id|>\n\n{"sky": "sunny"}<|eot_id|>' in text
     assert "You can call get_weather." in text
+
+
+def test_tool_call_turns_a_template_drops_are_context_only_and_counted(tmp_path, caplog):
+    """SmolLM2's template (the tiny tokenizer's ChatML) drops tool_calls: the call turn renders as a bare
+    end-of-turn, which the target never wrote after that prompt; it is not trained on, and the log says how
+    many such turns there were and how to train on them."""
+    path = write_jsonl(tmp_path / "tools.jsonl", [TOOL_CONVERSATION] * 3)
+    tok = tiny_tokenizer()
+    messages = restored(load_conversations([path])[0])
+    assert chat_text(tok, messages[:3]).endswith("<|im_start|>assistant\n<|im_end|>\n")  # the call dropped
+    uncalled = []
+    (row,) = render(messages, tok, 10_000, uncalled=uncalled)
+    assert uncalled == [2]
+    assert masked_text(tok, row) == ["It is sunny.<|im_end|>", "Rain later, 22C.<|im_end|>"]
+    with caplog.at_level("WARNING", logger="draftsmith.train.corpus.tokens"):
+        rows = build_dataset([path], tok, 10_000)
+    assert [masked_text(tok, r) for r in rows] == [masked_text(tok, row)] * 3
+    assert "3 assistant turns with tool calls are context only" in caplog.text
+    assert "--target.chat_template" in caplog.text
+    # a template that renders the call trains on it, and says nothing
+    caplog.clear()
+    uncalled = []
+    render(messages, llama31_like(), 10_000, uncalled=uncalled)
+    assert uncalled == []
 
 
 def test_a_system_prompt_is_put_first_where_there_is_none(tmp_path):

@@ -38,12 +38,18 @@ PACKED_FEATURES = datasets.Features(
 """.. and packed rows' positions in 4 bytes as well (9 bytes a token instead of 24)."""
 
 
+UNCALLED = "uncalled_tool_turns"
+"""The rendered rows' count of tool-call turns their template drops (``render``'s ``uncalled``), summed for the
+log and then removed."""
+
+
 def render(
     messages: Sequence[Message],
     tokenizer,
     max_length: int,
     cut_replies: Sequence[int] = (),
     template_args: dict | None = None,
+    uncalled: list[int] | None = None,
 ) -> list[dict[str, list[int]]]:
     """Tokenize one conversation with the tokenizer's chat template: rows of input_ids and a loss mask on
     what the target generates in each assistant turn (its content, or the whole turn the template renders
@@ -60,6 +66,11 @@ def render(
     the thinking of earlier replies) renders those turns otherwise in context; each such turn gets a row
     of its own, the conversation through it, so the loss is on what the target generated there. Every row
     is truncated to max_length. ``template_args`` go to the template (``enable_thinking``).
+
+    An assistant turn with tool calls that the template renders without them (it names none of the called
+    functions: SmolLM2's template drops ``tool_calls``) is left unmasked, context only: what it renders (a bare
+    end-of-turn, or the content alone) is not what the target wrote there. Its index is appended to
+    ``uncalled`` when that list is given.
     """
     check_chat_template(tokenizer)
     if not messages:
@@ -79,12 +90,21 @@ def render(
         through = chat_text(tokenizer, messages[: i + 1], template_args=template_args)
         if not through.startswith(before):
             raise ValueError(_unreconciled(tokenizer, i, before, through))
+        if message.get("tool_calls") and not _renders_a_call(message, through[len(before) :]):
+            if uncalled is not None:
+                uncalled.append(i)
+            continue
         row = whole if text.startswith(through) else _Row(through, tokenizer, max_length)
         if len(before) < row.kept_chars:  # else the turn lies past the truncation
             row.mask_turn(message, before, through, i, cut=i in cut_replies)
             if row is not whole:
                 own_rows.append(row)
     return [row.out() for row in (whole, *own_rows)]
+
+
+def _renders_a_call(message: Message, turn: str) -> bool:
+    """Whether the text a template gives an assistant turn names any function the turn calls."""
+    return any(call["function"]["name"] in turn for call in message["tool_calls"])
 
 
 class _Row:
@@ -197,14 +217,17 @@ def build_dataset(
     key = f"{convs._fingerprint}|{tokenizer_fingerprint(tokenizer)}|{max_length}|{system}|{args}"
 
     def render_batch(batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {"input_ids": [], "loss_mask": []}
+        out: dict[str, list] = {"input_ids": [], "loss_mask": [], UNCALLED: []}
         for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
             messages = restored(row)
             shift = len(with_system(messages, system)) - len(messages)
             cut = [i + shift for i in row["cut_replies"]]
-            for part in render(with_system(messages, system), tokenizer, max_length, cut, template_args):
+            uncalled: list[int] = []
+            parts = render(with_system(messages, system), tokenizer, max_length, cut, template_args, uncalled)
+            for k, part in enumerate(parts):
                 out["input_ids"].append(part["input_ids"])
                 out["loss_mask"].append(part["loss_mask"])
+                out[UNCALLED].append(0 if k else len(uncalled))
         return out
 
     rendered = convs.map(
@@ -212,11 +235,22 @@ def build_dataset(
         batched=True,
         batch_size=64,
         remove_columns=convs.column_names,
-        features=ROW_FEATURES,
+        features=datasets.Features({**ROW_FEATURES, UNCALLED: datasets.Value("int32")}),
         desc="render + mask",
         num_proc=1,
-        new_fingerprint=_hash("render", key),
+        new_fingerprint=_hash("render", key, UNCALLED),
     )
+    # counted from the stored column, so a render read back from the dataset cache says it again
+    uncalled = sum(rendered[UNCALLED])
+    rendered = rendered.remove_columns(UNCALLED)
+    if uncalled:
+        logger.warning(
+            "%d assistant turns with tool calls are context only, not trained on: the chat template of %s "
+            "renders them without their calls, so their text is not what the target wrote. To train on tool "
+            "calls, give a template that renders them (--target.chat_template=FILE)",
+            uncalled,
+            _name(tokenizer),
+        )
     kept = rendered.filter(lambda mask: any(mask), input_columns="loss_mask", desc="drop no-assistant")
     if len(kept) < len(rendered):
         logger.warning(
