@@ -8,7 +8,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_collection_modifyitems(config, items):
-    """`slow` tests (the real bundled target) run unless DRAFTSMITH_SKIP_SLOW=1."""
+    """`slow` tests (the real bundled target, multi-process and subprocess runs: pyproject's markers) run unless
+    DRAFTSMITH_SKIP_SLOW=1."""
     import os
 
     if os.environ.get("DRAFTSMITH_SKIP_SLOW") == "1":

@@ -48,6 +48,7 @@ def ddp_run(tiny_target_dir, uniform_conversations, tmp_path_factory):  # noqa: 
     return out
 
 
+@pytest.mark.slow
 def test_two_process_ddp_matches_one_process(ddp_run, tiny_target_dir, uniform_conversations, tmp_path):  # noqa: F811
     single = tmp_path / "single"
     train(
@@ -63,6 +64,7 @@ def test_two_process_ddp_matches_one_process(ddp_run, tiny_target_dir, uniform_c
         torch.testing.assert_close(final_weights(ddp_run)[name], value, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_two_process_checkpoint_resumes_in_one(ddp_run, tiny_target_dir, uniform_conversations, tmp_path):  # noqa: F811
     saved = torch.load(ddp_run / "checkpoints" / "last.ckpt", weights_only=True)
     assert saved["global_step"] == 4 and saved["draftsmith_resume"]["world_size"] == 2
@@ -118,6 +120,7 @@ def short_offline_run(tiny_target_dir, uniform_conversations, tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_lightnings_launcher_caches_a_short_offline_run_that_every_rank_agrees_on(
     short_offline_run,
     tiny_target_dir,
@@ -140,6 +143,7 @@ def test_lightnings_launcher_caches_a_short_offline_run_that_every_rank_agrees_o
         assert ours[step] == pytest.approx(loss, abs=1e-6, rel=0), (step, ours, theirs)
 
 
+@pytest.mark.slow
 def test_a_short_offline_run_trains_the_same_under_torchrun(
     short_offline_run,
     tiny_target_dir,

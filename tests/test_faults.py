@@ -56,6 +56,7 @@ def straight(tiny_target_dir, uniform_conversations, tmp_path_factory):  # noqa:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT], ids=lambda s: s.name)
+@pytest.mark.slow
 def test_a_signal_saves_at_the_next_step_says_how_to_resume_and_never_exits_0(
     sig,
     tiny_target_dir,
@@ -91,6 +92,7 @@ def stop_line(proc: subprocess.Popen, sig: signal.Signals) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_signal_during_the_offline_capture_says_a_plain_rerun_goes_on_which_reuses_the_shards(
     tiny_target_dir,
     uniform_conversations,
@@ -114,6 +116,7 @@ def test_a_signal_during_the_offline_capture_says_a_plain_rerun_goes_on_which_re
     assert {path: path.stat().st_mtime_ns for path in shards} == written  # reused, not computed again
 
 
+@pytest.mark.slow
 def test_a_signal_while_the_target_loads_says_so_in_one_line_and_leaves_nothing(
     tiny_target_dir,
     uniform_conversations,
@@ -131,6 +134,7 @@ def test_a_signal_while_the_target_loads_says_so_in_one_line_and_leaves_nothing(
     assert not out.exists()  # nothing had been written: the folder went with its lock
 
 
+@pytest.mark.slow
 def test_a_second_job_in_the_same_folder_is_refused_naming_the_first(
     tiny_target_dir,
     uniform_conversations,
@@ -185,6 +189,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.slow
 def test_a_full_disk_says_so_keeps_the_last_checkpoint_and_resumes_once_freed(
     tiny_target_dir,
     uniform_conversations,
@@ -207,6 +212,7 @@ def test_a_full_disk_says_so_keeps_the_last_checkpoint_and_resumes_once_freed(
     assert all(torch.equal(after[k], straight[k]) for k in straight)
 
 
+@pytest.mark.slow
 def test_a_full_disk_before_the_first_checkpoint_gives_the_rerun_that_works(
     tiny_target_dir,
     uniform_conversations,
@@ -245,6 +251,7 @@ def test_the_command_line_prints_a_full_disk_in_one_line(monkeypatch, tmp_path, 
     )
 
 
+@pytest.mark.slow
 def test_a_cut_short_checkpoint_is_named_before_the_target_loads(
     tiny_target_dir,
     uniform_conversations,

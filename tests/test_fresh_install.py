@@ -84,6 +84,7 @@ def fresh(tmp_path_factory):
     return venv / "bin" / "draftsmith", python, env, work, reads
 
 
+@pytest.mark.slow
 def test_the_wheel_runs_outside_the_repository_and_finds_recipes_and_data(fresh):
     draftsmith, python, env, work, reads = fresh
     where = run(python, "-c", "import draftsmith; print(draftsmith.__file__)", cwd=work, env=env)

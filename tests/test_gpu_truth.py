@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # one subprocess run of every stage, shared by the tests below
 
 
 @pytest.fixture(scope="module")

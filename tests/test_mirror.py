@@ -153,6 +153,7 @@ def max_normalised_deviation(target, drafter, prompt, exact) -> tuple[float, int
     return worst, hits, accepted
 
 
+@pytest.mark.slow
 def test_sampled_mirror_decoding_keeps_the_target_distribution(sampling_setup):
     target, drafter, prompt, exact = sampling_setup
     worst, hits, accepted = max_normalised_deviation(target, drafter, prompt, exact)
@@ -167,6 +168,7 @@ def reuse_on_prefix_alone(grid, n_accepted, correction):
     return int(hit[0, 0]) if hit.numel() else None
 
 
+@pytest.mark.slow
 def test_a_broken_reuse_rule_fails_the_same_test(sampling_setup, monkeypatch):
     target, drafter, prompt, exact = sampling_setup
     monkeypatch.setattr(mirror_module, "reuse_branch", reuse_on_prefix_alone)

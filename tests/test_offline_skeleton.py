@@ -81,6 +81,7 @@ def test_a_draft_made_of_the_targets_layers_loads_them(conversations, tmp_path, 
     assert "is complete" in out and "layers are not loaded" not in out and result.steps == 1
 
 
+@pytest.mark.slow
 def test_two_ranks_train_from_a_complete_cache_without_the_targets_layers(conversations, tmp_path):  # noqa: F811
     """2 gloo ranks: a first run captures the cache sharded over the ranks with the whole target; a second,
     in which loading the whole target raises on every rank, trains to the same losses."""

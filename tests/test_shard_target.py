@@ -28,6 +28,7 @@ TWO_RANKS = ("--draft.kind=eagle3", "--trainer.strategy=ddp", "--trainer.devices
 
 # gemma2: sandwich norms, soft-capping, and here tied embeddings
 @pytest.mark.parametrize("arch, tied", [("qwen3", "untied"), ("gemma2", "tied")])
+@pytest.mark.slow
 def test_sharded_target_gives_the_same_teacher_and_holds_half(arch, tied, tmp_path):
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
     proc = subprocess.run(
@@ -62,6 +63,7 @@ def two_rank_runs(tiny_target_dir, uniform_conversations, tmp_path_factory):  # 
     return runs
 
 
+@pytest.mark.slow
 def test_sharded_target_trains_as_an_unsharded_one(two_rank_runs):
     (sharded, log), (whole, whole_log) = two_rank_runs[True], two_rank_runs[False]
     lines = re.findall(r"rank (\d): target sharded over 2 ranks, ([\d,]+) of its ([\d,]+) parameters", log)

@@ -145,6 +145,7 @@ print(rows, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 
 
+@pytest.mark.slow
 def test_streaming_memory_does_not_grow_with_the_dataset(tmp_path, datasets_cache):
     """take=N of a stream costs the same peak memory from a 4 MB dataset as from one 40 times larger."""
 

@@ -51,6 +51,7 @@ def test_static_cache_errors():
         tiny_target("llama").compile()
 
 
+@pytest.mark.slow
 def test_compiled_decode_steps_keep_greedy_output():
     target = no_eos(tiny_target("llama"))
     reference = generate(target, prompt(), None, max_new_tokens=20).tokens

@@ -162,6 +162,7 @@ def test_the_subset_refuses_a_work_folder_it_did_not_write(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_draftsmith_trains_offline_on_the_written_cache_with_the_head_in_the_step(tmp_path):
     """bench/peers/draftsmith_run.py --offline on a subset written from a tiny target's capture: one pass over
     the packed rows in whole batches, each step's tokens counted, validated at the end."""

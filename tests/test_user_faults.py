@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from test_export import eagle_dir, target  # noqa: F401 (fixtures)
 from test_files import busy_mount, entries
 from test_loop import tiny_target_dir  # noqa: F401 (fixture)
@@ -148,6 +149,7 @@ def cli_to_a_pipe(*argv: str) -> str:
 THIRD_PARTY_NOISE = ("litlogger", "Tip:", "LeafSpec", "is_gradient_checkpointing", "FutureWarning")
 
 
+@pytest.mark.slow
 def test_the_first_screen_of_training_shows_no_third_party_tips_or_deprecations(tiny_target_dir, tmp_path):
     data = tmp_path / "convs.jsonl"
     rows = [{"conversations": [{"from": "human", "value": f"count from {i}"},
