@@ -54,6 +54,11 @@ DRAFTS = {
         "options": {"num_layers": 2, "block_size": 16, "draft_vocab_size": VOCAB},
     },
     "peagle": {"kind": "peagle", "options": {"parallel_depths": 8, "draft_vocab_size": VOCAB}},
+    # the DFlash recipe's ablations (issue "Block drafters that hold their own"), one change each on dflash-L1-b8
+    "dflash-L1-b8-a512": {  # every valid anchor of a 512-token row, as the peers draw up to 512 a sequence
+        "kind": "dflash",
+        "options": {"num_layers": 1, "block_size": 8, "draft_vocab_size": VOCAB, "anchors_per_row": 512},
+    },
 }
 
 
