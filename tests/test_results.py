@@ -186,3 +186,108 @@ def test_ci_runs_the_readme_test_command_with_both_engines():
     steps = command.split(" && ")
     assert steps[0] == "bash scripts/setup.sh" and steps[-1].startswith(".venv/bin/python -m pytest")
     assert {"bash scripts/install_llamacpp.sh", "bash scripts/install_vllm.sh"} <= set(steps[1:-1])
+
+
+# --- BENCHMARKS.md's headline tables, cell by cell against the results they cite --------------------------
+
+
+def section_table(text: str, heading: str, after: str = "") -> list[list[str]]:
+    """The cells of the first table after ``after`` in the section whose heading starts with ``heading``
+    (bold marks and backticks kept; the header and rule rows dropped)."""
+    start = text.index(f"## {heading}")
+    end = text.find("\n## ", start + 1)
+    section = text[start : end if end > 0 else None]
+    lines = section[section.index(after) :].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def plain(cell: str) -> str:
+    return cell.replace("**", "").strip()
+
+
+def spread(values: list[float], decimals: int = 3) -> str:
+    return f"{statistics.fmean(values):.{decimals}f} ± {statistics.stdev(values):.{decimals}f}"
+
+
+def plain_decoding_cells(text: str) -> list[str]:
+    """The plain-decoding table against ``plain_decoding_epyc.json``: tok/s, vs generate, of its ceiling and
+    outputs equal, per decoder (the row label's first words name the decoder)."""
+    record = json.loads((RESULTS / "plain_decoding_epyc.json").read_text())
+    labels = {
+        "draftsmith, `--cpu-kernels auto`": "draftsmith, auto kernels",
+        "draftsmith, packed": "draftsmith, packed",
+        "draftsmith, stock": "draftsmith, stock",
+        "transformers `generate` (dynamic cache)": "transformers generate",
+        "transformers `generate`, static cache": "transformers generate, static cache",
+        "llama.cpp, F32": "llama.cpp F32",
+        "llama.cpp, Q4_1": "llama.cpp Q4_1",
+    }
+    wrong, seen = [], set()
+    prompts = record["settings"]["prompts"]
+    for cells in section_table(text, "Plain decoding against"):
+        key = next((labels[label] for label in labels if cells[0].startswith(label)), None)
+        if key is None:
+            wrong.append(f"plain decoding: row {cells[0]!r} names no decoder of the result")
+            continue
+        seen.add(key)
+        row = record["rows"][key]
+        want = [f"{row['tokens_per_s']:.1f}", f"{row['vs_generate']:.2f}", f"{row['of_ceiling']:.2f}",
+                f"{row['same_as_first']}/{prompts}"]  # fmt: skip
+        got = [plain(c).split()[0] for c in cells[1:5]]
+        if got != want:
+            wrong.append(f"plain decoding, {key}: BENCHMARKS says {got}, the result gives {want}")
+    return wrong + [f"plain decoding: {key} is not in the table" for key in set(labels.values()) - seen]
+
+
+def eagle3_recipe_cells(text: str) -> list[str]:
+    """The EAGLE-3 deciding table against ``eagle3_recipe.json``'s summary: held-out τ mean ± sd (n) and dev τ
+    mean ± sd (n; per seed) per pipeline point, the point named by its settings in backticks."""
+    summary = json.loads((RESULTS / "eagle3_recipe.json").read_text())["summary"]
+    wrong, seen = [], set()
+    for cells in section_table(text, "The EAGLE-3 recipe", after="Deciding table"):
+        setting = " ".join(re.findall(r"`([^`]*)`", cells[0]))
+        row = next((r for r in summary if " ".join(r["setting"]) == setting), None)
+        if row is None:
+            wrong.append(f"EAGLE-3 recipe: row {cells[0][:60]!r} is no point of the result")
+            continue
+        seen.add(setting)
+        heldout = f"{spread(row['heldout_tau'])} (n={len(row['heldout_tau'])})"
+        if plain(cells[1]) != heldout:
+            wrong.append(
+                f"EAGLE-3 recipe, {setting}: held-out {plain(cells[1])!r}, the result gives {heldout!r}"
+            )
+        if row["dev_tau"]:
+            dev = row["dev_tau"]
+            want = f"{spread(dev)} (n={len(dev)}; {', '.join(f'{t:.3f}' for t in dev)})"
+            if plain(cells[2]) != want:
+                wrong.append(f"EAGLE-3 recipe, {setting}: dev {plain(cells[2])!r}, the result gives {want!r}")
+    return wrong + [
+        f"EAGLE-3 recipe: {' '.join(r['setting'])} is not in the table"
+        for r in summary
+        if " ".join(r["setting"]) not in seen
+    ]
+
+
+def benchmarks_problems(text: str) -> list[str]:
+    return plain_decoding_cells(text) + eagle3_recipe_cells(text)
+
+
+def test_benchmarks_headline_tables_are_read_from_the_results_they_cite():
+    assert benchmarks_problems((ROOT / "BENCHMARKS.md").read_text()) == []
+
+
+def test_a_changed_cell_of_a_headline_table_is_caught():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert any(
+        "llama.cpp F32" in p for p in benchmarks_problems(text.replace("| **53.1** |", "| **53.4** |"))
+    )
+    assert any(
+        "held-out" in p for p in benchmarks_problems(text.replace("**2.226 ± 0.022**", "**2.236 ± 0.022**"))
+    )
+    assert any("dev" in p for p in benchmarks_problems(text.replace("1.355 ± 0.006", "1.356 ± 0.006")))
