@@ -238,6 +238,27 @@ def test_sampled_proposals_carry_their_distributions(target):
         drafter.begin(prompt, None)
 
 
+def test_dpace_slot_weighting_trains_and_weighs_slots_by_how_far_decoding_reaches(target):
+    """slot_weighting dpace trains a block drafter (finite, falling loss); its weights put the most on slot 1 and
+    never grow along the block; at dpace_alpha 1 slot i of a block weighs its counted slots from i on (Q - 1 - i
+    where all count), which a rule that dropped D-PACE's suffix sum (weights = the chance alone) would not give."""
+    objective, draft, batch, teacher, losses, logs = trained(target, 8, steps=12, slot_weighting="dpace")
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.9 * losses[0]
+    w = [float(logs[f"weight_{i}"]) for i in range(4)]
+    assert w[0] >= w[1] >= w[2] >= w[3] > 0, w
+    counts = build_objective("dflash", target, {"block_size": 8, "anchors_per_row": 16, "slot_weighting": "dpace",
+                                                "dpace_alpha": 1.0}, objective.token_counts)  # fmt: skip
+    torch.manual_seed(0)
+    out = counts.loss(draft, batch, teacher)
+    torch.manual_seed(0)
+    anchors, keep = counts.sample_anchors(batch)
+    valid = counts.slot_labels(batch, teacher, anchors, keep)[0].long()
+    reach = valid.flip(-1).cumsum(-1).flip(-1)  # counted slots m >= i of each block
+    expected = [float(reach[..., i][valid[..., i].bool()].float().mean()) for i in range(4)]
+    assert [float(out[f"weight_{i}"]) for i in range(4)] == pytest.approx(expected)
+    assert expected[0] > 5.0  # most blocks count all 7 slots
+
+
 # ---- bad input ----------------------------------------------------------------------------------------
 
 
@@ -252,6 +273,8 @@ def test_sampled_proposals_carry_their_distributions(target):
         ({"capture_layer_ids": [0, 3]}, "\\[3\\] outside 0..2", True),
         ({"capture_layer_ids": [0, 9]}, "\\[9\\] outside 0..2", True),
         ({"anchors_per_row": 0}, "anchors_per_row must be >= 1", False),
+        ({"slot_weighting": "dpac"}, "slot_weighting", False),
+        ({"dpace_alpha": 0}, "dpace_alpha", False),
         ({"blok_size": 8}, "Did you mean 'block_size'", False),
     ],
 )

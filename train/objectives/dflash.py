@@ -10,13 +10,16 @@ rows hold several) and every slot of itself — exactly what decoding gives it (
 Loss. Slot i (1..Q-1) of block a stands in for token a+i: it is scored against the target's next-token
 distribution at a+i-1 (soft CE on the teacher's top-k, renormalised; the default) or the target's
 greedy token there (``hard_labels``), where token a+i is learnt and in a's conversation; slots weigh
-``exp(-(i-1)/gamma)`` (later slots count only when every earlier one was accepted).
+``exp(-(i-1)/gamma)`` (later slots count only when every earlier one was accepted), the mean over slots, or
+with ``slot_weighting: dpace`` their D-PACE weights (arXiv 2605.18810: each slot by the chance, from the
+draft's own probabilities of the target's tokens, that decoding reaches it and the slots after), summed over
+a block's slots and averaged over blocks.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +30,7 @@ from torch import nn
 from draftsmith.drafts.base import DFLASH
 from draftsmith.drafts.dflash import MAX_BLOCK, DFlashConfig, DFlashDraft, block_inputs, block_size_refusal
 from draftsmith.drafts.eagle_parts import build_vocab_map, packed_segments
-from draftsmith.train.losses import soft_topk_cross_entropy
+from draftsmith.train.losses import dpace_weights, soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.objectives.common import chain_starts, same_conversation, shift_left, teacher_greedy
 from draftsmith.train.registry import register_objective
@@ -58,6 +61,13 @@ class DFlashOptions:
     """Blocks trained per row and step, at anchors drawn where two learnt tokens follow each other."""
     gamma: Annotated[float, Field(gt=0)] | None = None
     """Slot i's loss weighs exp(-(i-1)/gamma) (default: 4 / 5 / 7 for blocks of 8 / 10 / 16, else Q / 2)."""
+    slot_weighting: Literal["decay", "dpace"] = "decay"
+    """How a block's slots are weighed: decay (gamma's, a weighted mean) or dpace (D-PACE, arXiv 2605.18810: slot
+    i by the chance decoding reaches it and the slots after, from the draft's own probability of the target's
+    token at each slot; summed over a block's slots, averaged over blocks; gamma unused)."""
+    dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """D-PACE's floor α of a slot's chance (slot_weighting: dpace): q̃ = (1 - α)·q + α; at 1 every valid slot
+    counts fully (slot i weighs the valid slots from i on)."""
     hard_labels: bool = False
     """Cross-entropy on the target's greedy token instead of its top-k distribution."""
     teacher_topk: Annotated[int, Field(ge=1)] = 64
@@ -85,6 +95,8 @@ class DFlashObjective(Objective):
         mask_token_id: int | None = None,
         anchors_per_row: int = 64,
         gamma: float | None = None,
+        slot_weighting: str = "decay",
+        dpace_alpha: float = 0.5,
         hard_labels: bool = False,
         teacher_topk: int = 64,
         draft_vocab_size: int | None = None,
@@ -94,7 +106,8 @@ class DFlashObjective(Objective):
         ``capture_layer_ids`` the target layers read (strictly increasing; default EAGLE-3's low / middle /
         high); ``mask_token_id`` the token embedded at the slots to draft (default: the tokenizer's mask,
         unknown or padding token); ``anchors_per_row`` blocks trained per row and step; ``gamma`` the
-        position-weight decay (default 4 / 5 / 7 for blocks of 8 / 10 / 16, else Q / 2); ``hard_labels``
+        position-weight decay (default 4 / 5 / 7 for blocks of 8 / 10 / 16, else Q / 2); ``slot_weighting``
+        and ``dpace_alpha``: ``DFlashOptions``; ``hard_labels``
         CE on the target's greedy token instead of its top-k distribution; ``draft_vocab_size`` below the
         target's: the draft scores only the training data's most frequent tokens, with a head of its own
         started from the target's rows (on a CPU the LM head is most of a block's cost)."""
@@ -124,6 +137,11 @@ class DFlashObjective(Objective):
         if gamma <= 0:
             raise ValueError(f"draft.options.gamma must be > 0, got {gamma}")
         self.slot_weights = [math.exp(-i / gamma) for i in range(self.config.block_size - 1)]
+        if slot_weighting not in ("decay", "dpace"):
+            raise ValueError(f"draft.options.slot_weighting must be decay or dpace, got {slot_weighting!r}")
+        if not 0.0 < dpace_alpha <= 1.0:
+            raise ValueError(f"draft.options.dpace_alpha must be in (0, 1], got {dpace_alpha}")
+        self.slot_weighting, self.dpace_alpha = slot_weighting, float(dpace_alpha)
         self.hard_labels = bool(hard_labels)
         self.teacher_topk = 1 if self.hard_labels else int(teacher_topk)
         if self.teacher_topk < 1:
@@ -217,10 +235,27 @@ class DFlashObjective(Objective):
                 teacher.topk_logits[rows, teacher_pos][counts],
                 draft_index[teacher.topk_ids[rows, teacher_pos][counts]],
             )
-        weights = torch.tensor(self.slot_weights, device=ce.device).expand_as(counts)[counts] * has_mass
-        total = (weights * ce).sum() / weights.sum().clamp_min(1e-9)
         hits = (d2t[logits.argmax(-1)] == greedy) & counts
         logs = {"tokens": counts[..., 0].sum().float()}
+        if self.slot_weighting == "dpace":
+            losses = counts.new_zeros(counts.shape, dtype=torch.float32)
+            losses[counts] = torch.where(has_mass, ce, 0.0).float()
+            labels = draft_index[
+                greedy
+            ]  # the draft's probability of the target's token, 0 outside its vocabulary
+            chances = logits.detach().float().softmax(-1).gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+            chances = torch.where(counts & (labels >= 0), chances, 0.0)
+            slots_first = (2, 0, 1)  # dpace_weights runs along the first dimension: the slots
+            weights = dpace_weights(
+                chances.permute(slots_first), counts.permute(slots_first), self.dpace_alpha
+            )
+            weights = weights.permute(1, 2, 0)
+            total = (weights * losses).sum() / counts[..., 0].sum().clamp_min(1)
+            for i in range(min(4, counts.shape[-1])):
+                logs[f"weight_{i}"] = weights[..., i][counts[..., i]].mean().nan_to_num(0.0)
+        else:
+            weights = torch.tensor(self.slot_weights, device=ce.device).expand_as(counts)[counts] * has_mass
+            total = (weights * ce).sum() / weights.sum().clamp_min(1e-9)
         for i in range(min(4, counts.shape[-1])):
             logs[f"acc_{i}"] = hits[..., i].sum().float() / counts[..., i].sum().clamp_min(1)
         return {"loss": total, **logs}
