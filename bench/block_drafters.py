@@ -59,6 +59,14 @@ DRAFTS = {
         "kind": "dflash",
         "options": {"num_layers": 1, "block_size": 8, "draft_vocab_size": VOCAB, "anchors_per_row": 512},
     },
+    "dflash-L1-b8-dpace": {  # D-PACE slot weights instead of the fixed decay (speculators' and ModelOpt's default)
+        "kind": "dflash",
+        "options": {"num_layers": 1, "block_size": 8, "draft_vocab_size": VOCAB, "slot_weighting": "dpace"},
+    },
+    "dflash-L3-b8": {  # 3 layers (the peers use 5)
+        "kind": "dflash",
+        "options": {"num_layers": 3, "block_size": 8, "draft_vocab_size": VOCAB},
+    },
 }
 
 
