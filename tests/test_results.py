@@ -39,7 +39,7 @@ def legacy_table() -> dict[str, list[str]]:
 
 # Closed: the results made before 2026-12-03 without full provenance. A new result records it or fails.
 LEGACY = frozenset({
-    "batched.json", "block_drafters.json", "block_drafters_judged_ours.json", "cost_model_k.json",
+    "batched.json", "cost_model_k.json",
     "cost_model_k_run5.json", "cost_model_k_run6.json", "cost_model_k_run7.json", "cost_model_k_stock_run4.json",
     "cpu_bf16.json", "cpu_kernels.json", "distill_sweep.json", "gpu_eagle3_probe.json", "gpu_eagle3_train.json",
     "heldout_tau.json", "heldout_tau_decode.json", "heldout_tau_distill.json", "heldout_tau_gpu_head.json",
