@@ -16,6 +16,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 import torch
 
 from draftsmith.loading import tokenizer_fingerprint
@@ -241,7 +242,7 @@ def build_dataset(
         new_fingerprint=_hash("render", key, UNCALLED),
     )
     # counted from the stored column, so a render read back from the dataset cache says it again
-    uncalled = sum(rendered[UNCALLED])
+    uncalled = pc.sum(rendered.data.column(UNCALLED)).as_py() or 0  # Arrow's sum, no Python list of rows
     rendered = rendered.remove_columns(UNCALLED)
     if uncalled:
         logger.warning(
