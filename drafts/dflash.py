@@ -42,6 +42,7 @@ from draftsmith.drafts.base import (
     target_layers_line,
 )
 from draftsmith.drafts.eagle_parts import build_vocab_map, copy_final_norm
+from draftsmith.drafts.taps import check_tap_layers
 
 MAX_BLOCK = 64
 """The largest block draftsmith trains or decodes (the paper's blocks are 8-16)."""
@@ -56,31 +57,11 @@ def block_size_refusal(block_size: int) -> str:
 
 def default_tap_layers(num_layers: int) -> list[int]:
     """The target layers a DFlash draft reads: EAGLE-3's low / middle / high (1, L/2 - 1, L - 4), or on a
-    shallow target the first, middle and second-to-last; never the last (vLLM captures a layer's output
-    as the next layer's input, so the last decoder layer's output is not on offer)."""
+    shallow target the first, middle and second-to-last (the last is allowed, ``drafts/taps.py``, but SGLang
+    and llama.cpp cannot serve it)."""
     if num_layers >= 7:
         return [1, num_layers // 2 - 1, num_layers - 4]
     return sorted({0, (num_layers - 1) // 2, max(num_layers - 2, 0)})
-
-
-def check_tap_layers(layer_ids: list[int], num_layers: int) -> list[int]:
-    """Tap layer ids (negative counts from the top) as 0-based ids, refusing what an engine cannot read."""
-    ids = [i + num_layers if i < 0 else int(i) for i in layer_ids]
-    if not ids:
-        raise ValueError("draft.options.capture_layer_ids: a DFlash draft reads at least one target layer")
-    bad = [i for i in ids if not 0 <= i <= num_layers - 2]
-    if bad:
-        raise ValueError(
-            f"draft.options.capture_layer_ids {layer_ids}: {bad} outside 0..{num_layers - 2} for a target with "
-            f"{num_layers} decoder layers (vLLM captures a layer's output as the next layer's input, so the last "
-            "layer's output is not on offer)"
-        )
-    if any(b <= a for a, b in zip(ids, ids[1:])):
-        raise ValueError(
-            f"draft.options.capture_layer_ids {layer_ids} must be strictly increasing (vLLM and the peers "
-            f"concatenate taps in layer order): write them as {sorted(set(ids))}"
-        )
-    return ids
 
 
 class DFlashConfig(PretrainedConfig):

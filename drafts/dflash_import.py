@@ -25,8 +25,9 @@ import torch
 
 from draftsmith.decode.drafter import Drafter
 from draftsmith.drafts.base import PEER_DFLASH, DraftKind, register
-from draftsmith.drafts.dflash import DFLASH_BLOCKS, DFlashConfig, DFlashDraft, DFlashDrafter, check_tap_layers
+from draftsmith.drafts.dflash import DFLASH_BLOCKS, DFlashConfig, DFlashDraft, DFlashDrafter
 from draftsmith.drafts.eagle_import import HeadImportError, read_head_files
+from draftsmith.drafts.taps import check_tap_layers
 
 SPECULATORS_DFLASH = "dflash"
 """``speculators_model_type`` of a DFlash draft (speculators' own name; ``drafts/base.is_foreign_dflash``)."""

@@ -29,7 +29,7 @@ from transformers import AutoConfig, DynamicCache, LlamaConfig, PretrainedConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftsmith.decode.drafter import Drafter
-from draftsmith.decode.features import LAYER_ID_CONVENTION, resolve_layer_ids
+from draftsmith.decode.features import LAYER_ID_CONVENTION, decoder_layers
 from draftsmith.drafts.base import (
     DRAFT_KIND_KEY,
     EAGLE1,
@@ -54,6 +54,7 @@ from draftsmith.drafts.eagle_parts import (
     ttt_attention_mask,
 )
 from draftsmith.drafts.engines import HF
+from draftsmith.drafts.taps import check_tap_layers
 
 PRESETS = (EAGLE1, EAGLE3)
 
@@ -161,14 +162,9 @@ class EagleConfig(PretrainedConfig):
         n_layers = tcfg.num_hidden_layers
         if capture_layer_ids is None:
             capture_layer_ids = [n_layers - 1] if preset == EAGLE1 else default_eagle3_layers(n_layers)
-        ids = resolve_layer_ids(target.model, list(capture_layer_ids))
+        ids = check_tap_layers(list(capture_layer_ids), len(decoder_layers(target.model)))
         if preset == EAGLE1 and len(ids) != 1:
             raise ValueError(f"EAGLE-1 reads exactly one target layer (the last, {n_layers - 1}); got {ids}")
-        if len(set(ids)) != len(ids):
-            raise ValueError(
-                f"capture_layer_ids {ids} must be distinct: a layer read twice adds nothing, and serving engines "
-                "capture each layer once, so the head could not be exported"
-            )
         rope = getattr(tcfg, "rope_parameters", None) or {}
         model = target.model
         return cls(

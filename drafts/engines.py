@@ -46,6 +46,9 @@ class Engine:
     """Draft family -> why the engine cannot load such a draft."""
     file_suffix: str | None = None
     """The export is one file with this suffix (``.gguf``), not a folder."""
+    captures_last_layer: bool = True
+    """Whether the engine can hand a draft the output of the target's last decoder layer (vLLM captures every
+    layer's output; SGLang and llama.cpp capture only layer inputs): ``drafts/taps.py``."""
     writers: dict[str, Writer] = field(default_factory=dict)
     """Draft family -> its writer (registered by ``draftsmith/export/<name>.py``)."""
     fallback: Writer | None = None
@@ -106,6 +109,7 @@ VLLM = register_engine(Engine("vllm", "vLLM", "vLLM 0.33.0 (llama_eagle3.py, lla
     "parallel_drafting); DFlash: DFlashDraftModel; Medusa: MedusaModel; distilled: the transformers directory "
     "(draft_model)"))  # fmt: skip
 SGLANG = register_engine(Engine("sglang", "SGLang", "SGLang 0.5.23 (llama_eagle3.py, spec_aux_hidden_state.py)",
+    captures_last_layer=False,
     help="EAGLE-3: LlamaForCausalLMEagle3, layer ids in eagle_config in SGLang's convention (= draftsmith's: "
     "output of layer i), d2t as offsets; DFlash: SpecForge's DFlashDraftModel folder; distilled: the "
     "transformers directory (STANDALONE)"))  # fmt: skip
@@ -121,7 +125,7 @@ GGUF = register_engine(Engine(
     "gguf", "llama.cpp", "llama.cpp from the llama-cpp-python 0.3.36 sdist (llama-server, run by the tests)",
     help="one GGUF file for llama.cpp / LM Studio: an EAGLE-3 head in its eagle3 architecture or a DFlash "
     "draft in its dflash architecture (both need the target's GGUF, --target-gguf), or a distilled Llama draft",
-    file_suffix=".gguf",
+    file_suffix=".gguf", captures_last_layer=False,
 ))  # fmt: skip
 REFERENCE_EAGLE3 = register_engine(Engine(
     "reference", "reference EAGLE-3 (SafeAILab/EAGLE; SpecForge and SGLang exports)",

@@ -35,7 +35,11 @@ def make_eagle_head(target, directory, capture=None, draft_vocab=DRAFT_VOCAB, **
     ``norms``: EAGLE-3.1 norms it has (norm_before_fc=True, ...)."""
     torch.manual_seed(0)
     draft_vocab = draft_vocab or target.vocab_size
-    config = EagleConfig.for_target(target, draft_vocab_size=draft_vocab, capture_layer_ids=capture)
+    config = EagleConfig.for_target(
+        target, draft_vocab_size=draft_vocab, capture_layer_ids=capture and sorted(capture)
+    )
+    if capture:  # in the order given, as earlier versions saved heads (training now wants layer order)
+        config.capture_layer_ids = list(capture)
     for key, value in norms.items():
         setattr(config, key, value)
     head = EagleHead(config)
@@ -315,7 +319,7 @@ def test_the_last_layer_exports_to_vllm_and_is_refused_where_it_cannot_be_captur
 
 
 def test_a_head_reading_one_layer_twice_is_refused(target, tmp_path):
-    with pytest.raises(ValueError, match="distinct"):
+    with pytest.raises(ValueError, match="layer \\[1\\] read twice"):
         EagleConfig.for_target(target, capture_layer_ids=[1, 1, 3])
     make_eagle_head(target, tmp_path / "dup", capture=[1, 3, 5])
     cfg = json.loads((tmp_path / "dup" / "config.json").read_text())

@@ -169,7 +169,12 @@ def eagle3_head(target, directory, capture, draft_vocab):
     from draftsmith.drafts.eagle_parts import build_vocab_map
 
     torch.manual_seed(0)
-    head = EagleHead(EagleConfig.for_target(target, draft_vocab_size=draft_vocab, capture_layer_ids=capture))
+    config = EagleConfig.for_target(
+        target, draft_vocab_size=draft_vocab, capture_layer_ids=capture and sorted(capture)
+    )
+    if capture:  # in the order given, as earlier versions saved heads (training now wants layer order)
+        config.capture_layer_ids = list(capture)
+    head = EagleHead(config)
     head.set_vocab_map(*build_vocab_map(torch.rand(target.vocab_size), head.config.draft_vocab_size))
     head.save_pretrained(directory)
     return head

@@ -127,7 +127,11 @@ def make_head(target, directory, capture, draft_vocab, **variants):
     pipelines train, which llama.cpp's graph also has) get norm weights far from 1, so an export that
     ignored or misplaced them drafts otherwise."""
     torch.manual_seed(0)
-    config = EagleConfig.for_target(target, draft_vocab_size=draft_vocab, capture_layer_ids=capture)
+    config = EagleConfig.for_target(
+        target, draft_vocab_size=draft_vocab, capture_layer_ids=capture and sorted(capture)
+    )
+    if capture:  # in the order given, as earlier versions saved heads (training now wants layer order)
+        config.capture_layer_ids = list(capture)
     for key, value in variants.items():
         setattr(config, key, value)
     head = EagleHead(config)

@@ -50,7 +50,11 @@ def tiny(tmp_path_factory):
 def draftsmith_head(target, capture=None, **variant) -> EagleHead:
     """A random draftsmith EAGLE-3 head whose norms are not all ones (so a norm mapped wrong shows)."""
     torch.manual_seed(0)
-    cfg = EagleConfig.for_target(target, draft_vocab_size=DRAFT_VOCAB, capture_layer_ids=capture)
+    cfg = EagleConfig.for_target(
+        target, draft_vocab_size=DRAFT_VOCAB, capture_layer_ids=capture and sorted(capture)
+    )
+    if capture:  # in the order given, as earlier versions saved heads (training now wants layer order)
+        cfg.capture_layer_ids = list(capture)
     for key, value in variant.items():
         setattr(cfg, key, value)
     head = EagleHead(cfg)

@@ -340,6 +340,6 @@ def test_a_recipe_refused_after_the_data_stage_leaves_no_new_folder(
     the run made (its dataset cache, its lock) goes with the refusal, as a refusal before loading leaves none."""
     out = tmp_path / "new"
     taps = ("--draft.kind=eagle3", "--draft.options.capture_layer_ids=[0, 99]")
-    with pytest.raises(ValueError, match="layer id 99 is out of range"):
+    with pytest.raises(ValueError, match="capture_layer_ids \\[0, 99\\]: \\[99\\] outside"):
         train(make_config(tiny_target_dir, uniform_conversations, out, *taps), **QUIET)
     assert not out.exists()

@@ -269,11 +269,15 @@ def medusa_served(real_target, tmp_path_factory):
         yield served
 
 
-@pytest.fixture(params=[{}, {"num_layers": 2, "draft_vocab_size": 8192}], ids=["1-layer", "2-layer-8k"])
+@pytest.fixture(
+    params=[{}, {"num_layers": 2, "draft_vocab_size": 8192, "capture_layer_ids": [1, 14, 29]}],
+    ids=["1-layer", "2-layer-8k-last-layer"],
+)
 def dflash_served(real_target, tmp_path_factory, request):
     """A real ``vllm serve`` of the bundled target with a DFlash draft (trained for a minute on the target's
     own answers to the first dev prompts) exported by draftsmith: one layer sharing the target's LM head, and
-    two layers with a draft vocabulary of their own (per-layer k_norm, d2t)."""
+    two layers with a draft vocabulary of their own (per-layer k_norm, d2t) reading the output of the target's
+    last layer (29 of 30), which vLLM captures (drafts/taps.py)."""
     from tests.test_dflash import self_trained_dflash
 
     root = tmp_path_factory.mktemp("vllm_dflash")

@@ -30,6 +30,7 @@ from draftsmith.decode.features import LAYER_ID_CONVENTION
 from draftsmith.draft_checkpoint import DraftCheckpoint
 from draftsmith.drafts.base import EAGLE3
 from draftsmith.drafts.engines import GGUF, SGLANG, SPECULATORS, VLLM, engine_named
+from draftsmith.drafts.taps import refuse_uncaptured_last_layer
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 SOURCE_KEY = "draftsmith_source"
@@ -60,10 +61,6 @@ OPTIONAL_WEIGHTS = {"mask_hidden": "mask_token_id", "fuse_norm.weight": "norm_be
 LAYER_ID_SHIFT = {VLLM.name: 1, SPECULATORS.name: 1, GGUF.name: 1, SGLANG.name: 0}
 """draftsmith id i ("output of layer i") is written as i + shift: vLLM (and speculators checkpoints, which
 vLLM reads), and llama.cpp's ``extract_layers``, count the *input* of layer L; SGLang adds 1 itself."""
-LAST_LAYER_CAPTURED = {VLLM.name, SPECULATORS.name}
-"""Engines that can hand the head the output of the target's last decoder layer: vLLM captures it at id
-N (after its layer loop). SGLang captures only layer inputs, and llama.cpp's Llama graph exports layer
-inputs only (id N asks for an embedding a Llama target never sets)."""
 VARIANT_FIELDS = ("norm_before_residual", "norm_before_fc", "norm_output", "feature_input_norm")
 """EagleConfig options of heads from other pipelines (drafts/eagle_import.py)."""
 EAGLE31_NORMS = ("norm_before_residual", "norm_before_fc", "norm_output")
@@ -138,13 +135,7 @@ def check_exportable(config: dict, engine: str) -> None:
         )
     if min(ids) < 0 or max(ids) > n_layers - 1:
         raise ValueError(f"layer ids {ids} lie outside the target's {n_layers} layers (0..{n_layers - 1})")
-    if max(ids) == n_layers - 1 and engine not in LAST_LAYER_CAPTURED:
-        raise ValueError(
-            f"layer id {max(ids)} is the output of the target's last layer ({n_layers} layers): {name} captures "
-            f"only the inputs of decoder layers, so it can hand the head outputs of layers 0..{n_layers - 2}. "
-            f"Export to vllm (which captures the last layer too), or train the head with capture_layer_ids below "
-            f"{n_layers - 1}."
-        )
+    refuse_uncaptured_last_layer(ids, n_layers, engine_named(engine))
     if config.get("lm_head_is_embedding") or config.get("logit_softcap"):
         raise ValueError("EAGLE-3 heads exported to engines need their own LM head and no logit softcap")
     carried = VARIANTS_CARRIED.get(engine, ())

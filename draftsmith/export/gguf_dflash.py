@@ -18,6 +18,8 @@ from __future__ import annotations
 import gguf
 import torch
 
+from draftsmith.drafts.engines import GGUF
+from draftsmith.drafts.taps import refuse_uncaptured_last_layer
 from draftsmith.export.gguf_verify import DFLASH_ARCH
 
 LAYER_NAMES = {
@@ -80,6 +82,7 @@ def check_dflash_exportable(config: dict) -> None:
             f"the draft reads target layers {ids}; llama.cpp concatenates them in ascending order, once each. "
             "Train it on strictly increasing capture_layer_ids."
         )
+    refuse_uncaptured_last_layer(ids, int((config.get("target") or {}).get("num_hidden_layers", 0)), GGUF)
     if int(config.get("hidden_size", 0)) != int((config.get("target") or {}).get("hidden_size", 0)):
         raise ValueError(
             "llama.cpp's dflash graph sizes fc by the draft's hidden size and feeds it the target's: they must "

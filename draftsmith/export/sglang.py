@@ -13,9 +13,9 @@ from pathlib import Path
 from draftsmith.draft_checkpoint import DraftCheckpoint
 from draftsmith.drafts.base import DFLASH
 from draftsmith.drafts.engines import SGLANG
+from draftsmith.drafts.taps import refuse_uncaptured_last_layer
 from draftsmith.export import copy_export
-from draftsmith.export.dflash import DFLASH_ARCHITECTURE, verify_dflash_vllm
-from draftsmith.export.dflash import write_vllm as write_dflash
+from draftsmith.export.dflash import DFLASH_ARCHITECTURE, verify_dflash_vllm, write_vllm
 from draftsmith.export.eagle import (
     check_exportable,
     export_eagle,
@@ -78,6 +78,15 @@ def usage(card: CardContext) -> list[str]:
         "",
         *note,
     ]
+
+
+def write_dflash(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
+    """vLLM's ``DFlashDraftModel`` folder, refused for a draft that reads the target's last layer (SGLang marks
+    ``layers[id + 1]`` to capture, and a target has no layer L)."""
+    refuse_uncaptured_last_layer(
+        list(ckpt.config.get("capture_layer_ids") or []), int(ckpt.target.get("num_hidden_layers", 0)), SGLANG
+    )
+    return write_vllm(ckpt, out, options)
 
 
 def verify(folder: Path) -> tuple[str, list[str]]:
