@@ -1,12 +1,15 @@
 """Block drafters against the EAGLE-3 head at the quickstart's data and budget: the figure that decides.
 
 Every draft is trained by ``draftsmith train`` on the quickstart recipe (``configs/quickstart.yaml``: its data,
-packing, optimiser, schedule, batch and 200 steps, so the same 409,600 training positions) with only its
+packing, optimiser, schedule, batch and steps, so the same 409,600 training positions) with only its
 ``draft`` section replaced and ``trainer.max_time`` lifted (equal tokens, not equal minutes):
 
   eagle3            the quickstart's own head (1 layer, 8,192-token draft vocabulary, 3 TTT steps)
   dflash-L{1,2}-b{8,16}  DFlash, 1 or 2 layers, blocks of 8 or 16, the same 8,192-token draft vocabulary
   peagle            P-EAGLE, 1 layer, 8 tokens per forward, the same draft vocabulary
+  dflash-L1-b8-{a512,dpace}, dflash-L3-b8   the DFlash recipe's one-change ablations (every anchor, D-PACE, 3 layers)
+  dspark-L1-b8      DSpark: dflash-L1-b8 with a rank-32 Markov head (trained and judged by draftsmith only: vLLM's
+                    CPU build cannot serve DSpark; llama.cpp can, tests/test_llamacpp_dspark.py)
 
 then judged in one run of ``bench/vllm_engine.py``: draftsmith's decoder (one interleaved ``evaluate``, each
 draft at its own k: EAGLE-3 5, DFlash block size - 1, P-EAGLE its parallel depth; τ, acceptance by position,
@@ -66,6 +69,10 @@ DRAFTS = {
     "dflash-L3-b8": {  # 3 layers (the peers use 5)
         "kind": "dflash",
         "options": {"num_layers": 3, "block_size": 8, "draft_vocab_size": VOCAB},
+    },
+    "dspark-L1-b8": {  # dflash-L1-b8 plus DSpark's Markov head (rank 32); vLLM's CPU build cannot serve it
+        "kind": "dspark",
+        "options": {"num_layers": 1, "block_size": 8, "draft_vocab_size": VOCAB, "markov_rank": 32},
     },
 }
 

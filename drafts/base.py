@@ -176,6 +176,7 @@ MIRROR = "mirror"
 DISTILL = "distill"
 MEDUSA = "medusa"
 DFLASH = "dflash"
+DSPARK = "dspark"
 PEAGLE = "peagle"
 NGRAM = "ngram"
 LAYERS = "layers"
@@ -188,6 +189,7 @@ KIND_MODULES = {
     DISTILL: "draftsmith.drafts.distill",
     MEDUSA: "draftsmith.drafts.medusa",
     DFLASH: "draftsmith.drafts.dflash",
+    DSPARK: "draftsmith.drafts.dspark",
     PEAGLE: "draftsmith.drafts.peagle",
     NGRAM: "draftsmith.drafts.ngram",
     LAYERS: "draftsmith.drafts.layer_subset",

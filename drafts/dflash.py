@@ -423,29 +423,35 @@ class DFlashDrafter(Drafter):
                 "decoder must commit every verify step's features"
             )
         logits = self.block_logits(int(tokens[-1]), self.length)[:n]
-        if sampling.greedy:
-            return Proposal(self.draft.to_target_ids(logits.argmax(-1)).to(tokens.device))
-        probs = to_probs(logits, sampling)
-        drafted = self.draft.to_target_ids(sample(probs, generator))
-        if self.draft.has_own_head:  # the distributions over the target's vocabulary, for the verify rule
+        drafted, probs = self.choose(logits, int(tokens[-1]), sampling, generator)
+        if probs is not None and self.draft.has_own_head:  # over the target's vocabulary, for the verify rule
             probs = probs.new_zeros(n, self.draft.config.vocab_size).index_copy_(1, self.draft.d2t, probs)
         return Proposal(drafted.to(tokens.device), probs)
+
+    def choose(
+        self, logits: torch.Tensor, last_token: int, sampling: Sampling, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's drafts (target ids) from its slots' logits [n, Vd], and under sampling the draft-vocabulary
+        distributions they were drawn from (None when greedy): every slot at once."""
+        if sampling.greedy:
+            return self.draft.to_target_ids(logits.argmax(-1)), None
+        probs = to_probs(logits, sampling)
+        return self.draft.to_target_ids(sample(probs, generator)), probs
 
     @torch.inference_mode()
     def commit(self, num_accepted: int, features: dict[int, torch.Tensor] | None) -> None:
         self._extend(features)
 
 
-def load_draft(target, path: str) -> DFlashDraft:
-    """A saved DFlash draft on the target's device and dtype, frozen, after checking it was made for ``target``."""
+def load_draft(target, path: str, model_class: type[DFlashDraft] = DFlashDraft, what: str = "DFlash draft"):
+    """A saved draft of ``model_class`` (DFlash's or a kind built on it) on the target's device and dtype,
+    frozen, after checking it was made for ``target``."""
     if not path or not (Path(path) / "config.json").is_file():
-        raise ValueError(
-            f"a DFlash draft needs a checkpoint directory saved by `draftsmith train` (got {path!r})"
-        )
+        raise ValueError(f"a {what} needs a checkpoint directory saved by `draftsmith train` (got {path!r})")
     draft = (
-        DFlashDraft.from_pretrained(path, dtype=target.dtype).to(target.device).eval().requires_grad_(False)
+        model_class.from_pretrained(path, dtype=target.dtype).to(target.device).eval().requires_grad_(False)
     )
-    check_target(draft.config.target, target, "DFlash draft", draft.config.layer_id_convention)
+    check_target(draft.config.target, target, what, draft.config.layer_id_convention)
     return draft
 
 

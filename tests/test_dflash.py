@@ -185,12 +185,12 @@ def max_normalised_deviation(target, drafter, prompt, exact) -> tuple[float, int
     return worst, accepted
 
 
-@pytest.fixture(scope="module")
-def sampling_setup():
-    """A draft trained briefly on each continuation the target can sample after the prompt: its blocks overlap
-    the target's top-k without matching it, so drafts are accepted and rejected, and a wrong residual shows."""
+def sampled_continuations() -> tuple:
+    """The tiny Llama target (no end of sequence: every sample is LENGTH tokens long), a prompt, and a batch of
+    the target's greedy continuation after each first token it can sample there (the rows a draft for the
+    sampling tests is trained on)."""
     target = tiny_target("llama", layers=4)
-    target.eos_ids = set()  # every sample is LENGTH tokens long
+    target.eos_ids = set()
     prompt = torch.randint(0, 256, (6,), generator=torch.Generator().manual_seed(1))
     target.reset()
     firsts = to_probs(target.forward(prompt).logits[-1], SAMPLING).nonzero().view(-1).tolist()
@@ -201,7 +201,14 @@ def sampling_setup():
     ids = torch.stack(rows)
     learnt = torch.zeros_like(ids)
     learnt[:, len(prompt) :] = 1
-    batch = Batch(ids, torch.ones_like(ids), learnt)
+    return target, prompt, Batch(ids, torch.ones_like(ids), learnt)
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    """A draft trained briefly on each continuation the target can sample after the prompt: its blocks overlap
+    the target's top-k without matching it, so drafts are accepted and rejected, and a wrong residual shows."""
+    target, prompt, batch = sampled_continuations()
     objective = build_objective("dflash", target, {"block_size": 4})
     draft, _, _ = train(objective, batch, make_teacher(target, batch, objective.capture_layers, 64), steps=15)
     return target, DFlashDrafter(draft, target.model), prompt, exact_distribution(target, prompt)

@@ -67,20 +67,39 @@ def dflash_args(draft_gguf, k: int = BLOCK - 1) -> list[str]:
 def draftsmith_probs(target, draft, context: list[int]) -> list[torch.Tensor]:
     """draftsmith's block after ``context`` (its last token not yet verified): per slot the top-10
     distribution over target ids llama.cpp's drafter samples from."""
-    drafter = DFlashDrafter(draft, target.model)
+    return [top_probs(draft, row) for row in block_after(target, DFlashDrafter(draft, target.model), context)]
+
+
+def block_after(target, drafter, context: list[int]) -> torch.Tensor:
+    """The drafter's block logits [Q - 1, Vd] after ``context``, its last token not yet verified."""
     target.reset()
     target.set_capture(drafter.capture_layers)
     with torch.inference_mode():
         step = target.forward(torch.tensor(context[:-1]))
         drafter.begin(torch.tensor(context[:-1]), step.features)
-        logits = drafter.block_logits(context[-1], len(context) - 1)
-    out = []
-    for row in logits:
-        top = row.topk(TOP_K)
-        probs = torch.zeros(draft.config.vocab_size)
-        probs[draft.to_target_ids(top.indices)] = top.values.softmax(-1)
-        out.append(probs)
-    return out
+        return drafter.block_logits(context[-1], len(context) - 1)
+
+
+def top_probs(draft, logits: torch.Tensor) -> torch.Tensor:
+    """The top-10 distribution over target ids llama.cpp's drafter samples from, of one slot's logits."""
+    top = logits.topk(TOP_K)
+    probs = torch.zeros(draft.config.vocab_size)
+    probs[draft.to_target_ids(top.indices)] = top.values.softmax(-1)
+    return probs
+
+
+def served_blocks_as_draftsmiths(chains, greedy: list[int], probs_after, prompt: list[int]) -> list[int]:
+    """Check every block llama.cpp logged against draftsmith's (``probs_after(context)``: per slot the top-10
+    distribution) after the tokens it had then, and return how many of each it accepted."""
+    done, accepted = 1, []  # llama-server samples the first token from the prompt, then drafts after it
+    for chain in chains:
+        tokens = [next(iter(c)) for c in chain]
+        check_chain(chain, probs_after(prompt + greedy[:done]))
+        accepted.append(next((i for i, t in enumerate(tokens) if t != greedy[done + i]), len(tokens)))
+        done += accepted[-1] + 1
+        if done >= N:
+            break
+    return accepted
 
 
 def test_llamacpp_drafts_with_the_dflash_draft_what_draftsmith_drafts(tiny, dflash, tmp_path):
@@ -95,14 +114,8 @@ def test_llamacpp_drafts_with_the_dflash_draft_what_draftsmith_drafts(tiny, dfla
     assert out["tokens"] == greedy  # llama.cpp's speculative output is the target's own
     chains = llamacpp_drafts(log.read_text(errors="replace"))
     assert chains and all(len(c) == BLOCK - 1 for c in chains)  # one whole block per step
-    done, accepted = 1, []  # llama-server samples the first token from the prompt, then drafts after it
-    for chain in chains:
-        tokens = [next(iter(c)) for c in chain]
-        check_chain(chain, draftsmith_probs(target, draft, prompt + greedy[:done]))
-        accepted.append(next((i for i, t in enumerate(tokens) if t != greedy[done + i]), len(tokens)))
-        done += accepted[-1] + 1
-        if done >= N:
-            break
+    accepted = served_blocks_as_draftsmiths(chains, greedy, lambda context: draftsmith_probs(target, draft, context),
+                                            prompt)  # fmt: skip
     # the same blocks accepted step by step as in draftsmith's decoder, which also drafts no more than the
     # tokens left to make (the server trims its last blocks to n_predict, after they were drafted and logged)
     assert accepted[:-1] == ours.accepted[: len(accepted) - 1] and sum(accepted) > 0

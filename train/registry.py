@@ -21,6 +21,7 @@ from pydantic import TypeAdapter, ValidationError
 from draftsmith.drafts.base import (
     DFLASH,
     DISTILL,
+    DSPARK,
     EAGLE1,
     EAGLE3,
     MEDUSA,
@@ -52,6 +53,7 @@ OBJECTIVE_MODULES = {
     MEDUSA: "draftsmith.train.objectives.medusa",
     DISTILL: "draftsmith.train.objectives.distill",
     DFLASH: "draftsmith.train.objectives.dflash",
+    DSPARK: "draftsmith.train.objectives.dspark",
     PEAGLE: "draftsmith.train.objectives.peagle",
 }
 """Trainable kind → the module that registers its objective (imported the first time the kind is asked

@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from draftsmith import __version__, files
 from draftsmith.draft_checkpoint import DraftCheckpoint
-from draftsmith.drafts.base import DFLASH
+from draftsmith.drafts.base import DFLASH, DSPARK
 from draftsmith.drafts.engines import GGUF
 from draftsmith.export import GGUF_WRITER_KEY, check_gguf_replaceable
 from draftsmith.export.eagle import (
@@ -439,7 +439,7 @@ def usage(card: CardContext) -> list[str]:
     if family == "eagle":
         export = "--out head.gguf  # --target-gguf TARGET.gguf unless draftsmith knows it"
         spec, draft = "draft-eagle3", "head.gguf"
-    elif family == DFLASH:  # a whole block: a shorter one is attended otherwise than trained
+    elif family in (DFLASH, DSPARK):  # a whole block: a shorter one is attended otherwise than trained
         export = "--out draft.gguf  # --target-gguf TARGET.gguf unless draftsmith knows it"
         spec, draft, k = "draft-dflash", "draft.gguf", int(card.config.get("block_size", k + 1)) - 1
     else:
@@ -458,5 +458,7 @@ def usage(card: CardContext) -> list[str]:
     ]
 
 
-GGUF.writers.update({"eagle": write_head, "causal_lm": write_draft, DFLASH: write_dflash})
+GGUF.writers.update(
+    {"eagle": write_head, "causal_lm": write_draft, DFLASH: write_dflash, DSPARK: write_dflash}
+)
 GGUF.verify, GGUF.usage = verify, usage

@@ -32,7 +32,11 @@ LAYER_NAMES = {
     **{f"mlp.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")},
 }
 TOP_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
-             "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}  # fmt: skip
+             "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+             "markov_head.markov_w1.weight": "markov_w1.weight",  # DSpark's Markov head (src/models/dflash.cpp)
+             "markov_head.markov_w2.weight": "markov_w2.weight"}  # fmt: skip
+SAMPLE_FROM_ANCHOR = f"{DFLASH_ARCH}.sample_from_anchor"
+"""llama.cpp's DSpark graph: absent or true, slot 0 is drafted too; draftsmith's blocks need false."""
 SKIPPED = ("t2d", "rotary_emb.inv_freq")
 """Saved with the draft, read by no llama.cpp loader (t2d: the inverse of d2t)."""
 
@@ -67,11 +71,16 @@ def dflash_fields(config: dict) -> list[tuple]:
     """The ``dflash.*`` metadata besides the decoder's hyper-parameters, and the mask token, as
     (key, value, type, array element type) — the form ``gguf.py`` copies tokenizer fields in."""
     ids = [int(i) + 1 for i in config["capture_layer_ids"]]  # the input of layer i + 1 = output of layer i
-    return [
+    fields = [
         (f"{DFLASH_ARCH}.block_size", int(config["block_size"]), gguf.GGUFValueType.UINT32, None),
         (f"{DFLASH_ARCH}.target_layers", ids, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32),
         (gguf.Keys.Tokenizer.MASK_ID, int(config["mask_token_id"]), gguf.GGUFValueType.UINT32, None),
     ]
+    if config.get(
+        "markov_rank"
+    ):  # DSpark: slot 0 is the last token, passed through unbiased (fill-in layout)
+        fields.append((SAMPLE_FROM_ANCHOR, False, gguf.GGUFValueType.BOOL, None))
+    return fields
 
 
 def check_dflash_exportable(config: dict) -> None:

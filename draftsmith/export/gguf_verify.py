@@ -111,6 +111,18 @@ def verify_gguf(path: Path) -> list[str]:
             expected["output.weight"] = (V, H)
         if "token_embd.weight" in shapes:
             expected["token_embd.weight"] = (V, H)
+        if "markov_w1.weight" in shapes:  # DSpark: the Markov head, [V, r] by target ids and [Vd, r]
+            rank = shapes["markov_w1.weight"][1]
+            expected |= {
+                "markov_w1.weight": (V, rank),
+                "markov_w2.weight": (expected.get("d2t", (V,))[0], rank),
+            }
+            anchor = fields.get("dflash.sample_from_anchor")
+            if anchor is None or bool(anchor.contents()):
+                problems.append(
+                    "dflash.sample_from_anchor is not false: llama.cpp would bias and draft slot 0, which holds "
+                    "the last token in draftsmith's blocks"
+                )
     else:
         problems += _check_eagle3_meta(reader, meta, L)
         d2t = next((t for t in reader.tensors if t.name == "d2t"), None)

@@ -14,11 +14,13 @@ from safetensors.torch import save_file
 
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint
-from draftsmith.drafts.base import DFLASH
+from draftsmith.drafts.base import DFLASH, DSPARK
 from draftsmith.drafts.engines import VLLM
 from draftsmith.export import copy_export
 from draftsmith.export.dflash import DFLASH_ARCHITECTURE, verify_dflash_vllm
 from draftsmith.export.dflash import write_vllm as write_dflash
+from draftsmith.export.dspark import DSPARK_ARCHITECTURE, verify_dspark_vllm
+from draftsmith.export.dspark import write_vllm as write_dspark
 from draftsmith.export.eagle import SOURCE_KEY, export_eagle
 from draftsmith.export.engines import CardContext, ExportOptions
 from draftsmith.export.verify import read_export_config, verify_reference_engine
@@ -82,8 +84,8 @@ def usage(card: CardContext) -> list[str]:
         config, model = '"method": "medusa"', '"model": "draft-vllm"'
         k = card.config.get("num_heads", k)  # vLLM's Medusa drafts one token per head
         export = [f"draftsmith export {repo} --to vllm --out draft-vllm"]
-    elif card.kind.family.name == DFLASH:
-        config, model = '"method": "dflash"', '"model": "draft-vllm"'
+    elif card.kind.family.name in (DFLASH, DSPARK):
+        config, model = f'"method": "{card.kind.family.name}"', '"model": "draft-vllm"'
         k = card.config.get("block_size", k + 1) - 1  # one block: the last token and block_size - 1 drafts
         export = [f"draftsmith export {repo} --to vllm --out draft-vllm"]
     elif card.config.get("mask_token_id") is not None:  # P-EAGLE: the whole chain in one forward
@@ -105,13 +107,23 @@ def usage(card: CardContext) -> list[str]:
 
 
 def verify(folder: Path) -> tuple[str, list[str]]:
-    """A DFlash draft by its own checks (``export/dflash.py``); anything else as the reference engines' exports."""
-    if read_export_config(folder).get("architectures") == [DFLASH_ARCHITECTURE]:
+    """A DFlash or DSpark draft by its own checks (``export/dflash.py``, ``export/dspark.py``); anything else
+    as the reference engines' exports."""
+    architectures = read_export_config(folder).get("architectures")
+    if architectures == [DFLASH_ARCHITECTURE]:
         return "DFlash draft", verify_dflash_vllm(folder)
+    if architectures == [DSPARK_ARCHITECTURE]:
+        return "DSpark draft", verify_dspark_vllm(folder)
     return verify_reference_engine(folder, VLLM)
 
 
 VLLM.writers.update(
-    {"eagle": write_eagle, "causal_lm": copy_export, "medusa": write_medusa, DFLASH: write_dflash}
+    {
+        "eagle": write_eagle,
+        "causal_lm": copy_export,
+        "medusa": write_medusa,
+        DFLASH: write_dflash,
+        DSPARK: write_dspark,
+    }  # fmt: skip
 )
 VLLM.verify, VLLM.usage = verify, usage

@@ -51,7 +51,8 @@ class DFlashOptions:
     block_size: int = 8
     """Block size Q: one forward drafts the Q - 1 tokens after the last committed one (the paper: 8 or 16)."""
     capture_layer_ids: list[int] | None = None
-    """Target layers read, strictly increasing, never the last (default: EAGLE-3's low / middle / high)."""
+    """Target layers read, strictly increasing (the last only if served by vLLM: SGLang and llama.cpp cannot
+    capture it); default: EAGLE-3's low / middle / high."""
     mask_token_id: int | None = None
     """The token embedded at the slots to draft (default: the tokenizer's mask, unknown or padding token)."""
     draft_vocab_size: Annotated[int, Field(ge=1)] | None = None
@@ -181,7 +182,12 @@ class DFlashObjective(Objective):
         )
         features = {i: teacher.features[i] for i in self.capture_layers}
         return draft(F.embedding(ids, self.embed_weight), block_positions, context_mask, features=features,
-                     feature_positions=positions, target_head=self.lm_head)  # fmt: skip
+                     feature_positions=positions, target_head=self.lm_head,
+                     **self.slot_inputs(batch, teacher, anchors))  # fmt: skip
+
+    def slot_inputs(self, batch: Batch, teacher: Teacher, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the draft's forward takes per slot besides the block (a kind built on DFlash adds its own)."""
+        return {}
 
     def slot_labels(self, batch: Batch, teacher: Teacher, anchors: torch.Tensor, keep: torch.Tensor):
         """Per slot i of each block: where it counts [B, N, Q - 1] and the teacher's index (row, position a+i-1)."""
@@ -276,7 +282,8 @@ class DFlashObjective(Objective):
             (cols,) = starts[b].nonzero(as_tuple=True)
             row = Batch(*(x[b : b + 1] if x is not None else None for x in
                           (batch.input_ids, batch.attention_mask, batch.loss_mask, batch.position_ids)))  # fmt: skip
-            feats = Teacher({i: teacher.features[i][b : b + 1] for i in self.capture_layers})
+            feats = Teacher({i: teacher.features[i][b : b + 1] for i in self.capture_layers},
+                            *(x[b : b + 1] if x is not None else None for x in (teacher.topk_logits, teacher.topk_ids)))  # fmt: skip
             for c in cols.split(VALIDATION_ANCHORS):
                 anchors = (c + 1)[None]  # the block after start t is anchored on token t+1
                 logits = self.block_logits(
