@@ -10,6 +10,9 @@ chat template, greedy, float32), warmed up and then interleaved prompt by prompt
 - llama.cpp's ``llama-server`` (where ``scripts/install_llamacpp.sh`` built it) on the bundled Q4_1 GGUF and on
   an F32 GGUF of the same dequantized weights, one server each, greedy ``/completion`` from the same token ids
   (timed as the others are, wall clock per call, HTTP included);
+- vLLM's CPU build (where ``scripts/install_vllm.sh`` installed it) serving the same float32 weights, one request at
+  a time (batch 1), greedy ``/v1/completions`` from the same token ids, its token ids returned (eager mode, as
+  draftsmith's vLLM judging runs it);
 
 beside the memory-bandwidth ceiling of this machine: the bytes of weights one token reads (every parameter
 once; the tied embedding read once, as the LM head; a GGUF's file size for llama.cpp's rows) over the read
@@ -28,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith import llamacpp
+from draftsmith import llamacpp, vllm
 from draftsmith.decode.cpu_kernels import KernelPolicy, pack_for_decoding, stock_kernels
 from draftsmith.decode.kernel_choice import choose_kernels, describe
 from draftsmith.decode.target import load_target
@@ -37,6 +40,7 @@ from draftsmith.eval.report import bench_record, write_json
 from draftsmith.eval.timed import draftsmith_decoder, side_by_side, transformers_decoder
 from draftsmith.export.gguf import write_gguf
 from draftsmith.loading import resolve_model_path, smollm2_gguf_path
+from draftsmith.openai_client import CompletionServer
 
 
 def read_bandwidth(gib: float = 2.0, repeats: int = 5) -> float:
@@ -85,6 +89,18 @@ def llamacpp_decoders(stack: ExitStack, work: Path, threads: int) -> tuple[dict,
     return decoders, sizes
 
 
+def vllm_decoder(stack: ExitStack, model: str, threads: int):
+    """vLLM serving ``model`` (float32, eager) for the length of ``stack``: a decoder for ``side_by_side``."""
+    server = stack.enter_context(vllm.Server(model, threads=threads))
+    client = CompletionServer(server.url)
+    client.model = client.models()[0]["id"]
+
+    def decode(prompt, max_new_tokens):
+        return client.greedy_ids(prompt.tolist(), max_new_tokens)
+
+    return decode
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
@@ -94,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/plain_decoding.json")
     p.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp's rows (else they run where "
                    "scripts/install_llamacpp.sh built llama-server, and are left out with a word where not)")  # fmt: skip
+    p.add_argument("--no-vllm", action="store_true", help="leave out vLLM's row (else it runs where "
+                   "scripts/install_vllm.sh installed vLLM, and is left out with a word where not)")  # fmt: skip
     p.add_argument(
         "--work", type=Path, default=Path("runs/plain_decoding"), help="where the F32 GGUF is kept"
     )
@@ -139,6 +157,15 @@ def main(argv: list[str] | None = None) -> int:
             served, sizes = llamacpp_decoders(stack, args.work, torch.get_num_threads())
             decoders |= served
             bytes_read |= sizes
+        if args.no_vllm:
+            print("vLLM: left out (--no-vllm)")
+        elif not vllm.available():
+            print(f"vLLM: not installed ({vllm.INSTALL}); its row is left out")
+        else:
+            decoders["vLLM CPU, batch 1"] = vllm_decoder(
+                stack, resolve_model_path(args.target)[0], torch.get_num_threads()
+            )
+            bytes_read["vLLM CPU, batch 1"] = per_token
         rows = side_by_side(decoders, prompts[0], prompts, args.max_new_tokens)
     bandwidth = read_bandwidth()
     ceiling = bandwidth / per_token
@@ -156,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['same_as_first']:>10}/{len(prompts)}")  # fmt: skip
         del row["outputs"]
     settings = {"prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "k": args.k,
-                "llamacpp": not args.no_llamacpp}  # fmt: skip
+                "llamacpp": not args.no_llamacpp, "vllm": not args.no_vllm}  # fmt: skip
     write_json(args.out, bench_record(target, settings, rows=rows, kernels=choice, weight_bytes=per_token,
                                       read_bandwidth_bytes_per_s=bandwidth, ceiling_tokens_per_s=ceiling))  # fmt: skip
     return 0
