@@ -4,6 +4,7 @@ target's last-layer features, distilled from the target's top-k logits. Tiny tar
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import lightning as L
@@ -396,3 +397,31 @@ def test_max_time_stops_early_and_still_exports(tiny_target_dir, conversations, 
     assert state["step"] == result.steps
     with pytest.raises(ValueError, match=r"trainer.max_time=0: .*greater than 0"):
         make_config(tiny_target_dir, conversations, out, "--trainer.max_time=0")
+
+
+def test_the_first_screen_holds_draftsmiths_lines_not_lightnings_or_datasets_passes(
+    tiny_target_dir, conversations, tmp_path, capsys, caplog
+):
+    """Before the training bar: one line per data stage (datasets' internal passes, a filter, flattening and
+    saving, show no bar of their own) and one line of draftsmith's for the trainer, where Lightning said which
+    accelerators exist and which AMP it uses."""
+    import datasets
+
+    from draftsmith.train.corpus.tokens import quiet_datasets
+    from draftsmith.train.loop import make_trainer
+
+    assert datasets.utils.logging.is_progress_bar_enabled()
+    with quiet_datasets():
+        assert not datasets.utils.logging.is_progress_bar_enabled()
+    assert datasets.utils.logging.is_progress_bar_enabled()  # restored
+
+    config = make_config(tiny_target_dir, conversations, tmp_path / "run", "--trainer.precision=bf16-mixed")
+    with caplog.at_level(logging.INFO):
+        make_trainer(config, tmp_path / "run")
+    out = capsys.readouterr()
+    shown = out.out + out.err + caplog.text
+    assert "[draftsmith] training on cpu, 1 process, precision bf16-mixed" in out.out
+    assert "GPU available" not in shown and "Automatic Mixed Precision" not in shown
+    with caplog.at_level(logging.INFO):
+        make_trainer(config, tmp_path / "run", enable_progress_bar=False)  # quiet runs keep Lightning's lines
+    assert "GPU available" in caplog.text

@@ -11,6 +11,7 @@ many processes run it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import shlex
 from dataclasses import dataclass
@@ -213,7 +214,22 @@ def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Traine
     if t.max_time is not None:
         kwargs["max_time"] = timedelta(minutes=t.max_time)
     kwargs.update(overrides)
-    return L.Trainer(**kwargs)
+    # Lightning's start-up lines (AMP in use, GPU/TPU/HPU available) say what the recipe already said: one
+    # line of draftsmith's instead, where the run shows its own progress
+    lightning_info = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    level = lightning_info.level
+    if show_progress:
+        lightning_info.setLevel(logging.WARNING)
+    try:
+        trainer = L.Trainer(**kwargs)
+    finally:
+        lightning_info.setLevel(level)
+    if show_progress and trainer.is_global_zero:
+        processes = trainer.world_size
+        print(f"[draftsmith] training on {type(trainer.accelerator).__name__.removesuffix('Accelerator').lower()}, "
+              f"{processes} process{'es' if processes > 1 else ''}, precision {t.precision}, {t.max_steps} steps",
+              flush=True)  # fmt: skip
+    return trainer
 
 
 def train(

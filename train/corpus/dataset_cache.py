@@ -27,6 +27,7 @@ import datasets
 from draftsmith import files
 from draftsmith.loading import tokenizer_fingerprint
 from draftsmith.sources import HubSource, expand_sources, parse_source
+from draftsmith.train.corpus.tokens import quiet_datasets
 
 FORMAT_VERSION = 1
 MANIFEST = "draftsmith_dataset.json"
@@ -111,7 +112,8 @@ def cached_dataset(
     rows = build()
 
     def fill(tmp: Path) -> None:
-        rows.flatten_indices().save_to_disk(str(tmp))  # a shuffle's order written out, not an index map
+        with quiet_datasets():  # the stage's own line says where the rows went
+            rows.flatten_indices().save_to_disk(str(tmp))  # a shuffle's order written out, not an index map
         digests = {p.name: file_digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest = {**record, "num_rows": len(rows), "sha256": digests}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))

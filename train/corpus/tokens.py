@@ -11,7 +11,8 @@ import bisect
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -252,7 +253,8 @@ def build_dataset(
             uncalled,
             _name(tokenizer),
         )
-    kept = rendered.filter(lambda mask: any(mask), input_columns="loss_mask", desc="drop no-assistant")
+    with quiet_datasets():  # a quick pass: the line below says what it dropped
+        kept = rendered.filter(lambda mask: any(mask), input_columns="loss_mask", desc="drop no-assistant")
     if len(kept) < len(rendered):
         logger.warning(
             "skipped %d of %d rendered rows with no assistant tokens (none present, or all past max_length=%d)",
@@ -261,6 +263,19 @@ def build_dataset(
             max_length,
         )
     return pack_rows(kept, max_length, seed) if pack else kept
+
+
+@contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """``datasets``' progress bars off for a block (its internal passes: a filter, flattening, saving), so the
+    data stage shows one line per stage of its own; restored after."""
+    was = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
 
 
 def pack_rows(rendered: datasets.Dataset, max_length: int, seed: int = 0) -> datasets.Dataset:
