@@ -241,7 +241,8 @@ def peagle_run(tmp_path_factory):
     objective = build_objective(
         "peagle", target, {"draft_vocab_size": 100, "capture_layer_ids": [1, 4, 6]}, counts
     )
-    objective.config.capture_layer_ids = [4, 1, 6]  # as an earlier version saved heads: export puts them in order
+    # in another order, as earlier versions saved heads: export puts them in layer order
+    objective.config.capture_layer_ids = [4, 1, 6]
     run = tmp_path_factory.mktemp("peagle")
     head = objective.build_draft().eval()
     with torch.no_grad():  # norms off one, so a mapping slip between two of them shows
