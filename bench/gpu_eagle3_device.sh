@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 3's GPU check as device calls, run from the repo root on the GPU machine (see BENCHMARKS.md,
-# "EAGLE-3 full recipe on one H200"). A call carries at most 64 MiB, so the 98 MB GGUF goes in two:
+# Issue 3's GPU check as device calls, run from the repo root on the GPU machine (see
+# docs/studies/gpu_h200.md, "EAGLE-3 full recipe trained on one H200"). A call carries at most 64 MiB,
+# so the 98 MB GGUF goes in two:
 #   here:   bash bench/gpu_eagle3_device.sh prepare          (fills .dev/, which git ignores)
 #   call 1: bash bench/gpu_eagle3_device.sh setup            carry .dev/whl .dev/tok .dev/data .dev/ga
 #   call 2: bash bench/gpu_eagle3_device.sh main MINUTES     carry .dev/gb   (within 30 s of call 1)

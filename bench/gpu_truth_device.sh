@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 19's GPU truth (bench/gpu_truth.py) as two device calls; figures into BENCHMARKS.md, "GPU truth".
+# Issue 19's GPU truth (bench/gpu_truth.py) as two device calls; figures into BENCHMARKS.md (the scoreboard)
+# and docs/studies/gpu_h200.md, "GPU truth".
 # The wheels, data and target travel as for issue 3's check (bench/gpu_eagle3_device.sh):
 #   here:   bash bench/gpu_eagle3_device.sh prepare         (fills .dev/, which git ignores)
 #   call 1: bash bench/gpu_truth_device.sh setup            carry .dev/whl .dev/tok .dev/data .dev/ga

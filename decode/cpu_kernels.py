@@ -5,13 +5,14 @@ pass) by every weight matrix. PyTorch's default CPU path (MKL sgemm on the dense
 that shape: a 2-row product can take twice as long as a 1-row one, where reading the weight — the
 real cost at this size — is the same. oneDNN with the weight reordered once into its blocked layout
 (what ``torch.compile``'s CPU backend does when it freezes weights) reads it at close to memory speed
-for any small row count (BENCHMARKS.md, "CPU kernels").
+for any small row count (docs/studies/decoder_speed.md, "CPU kernels").
 
 Drafts can go further (``quantize_draft_linears``): weight-only int8 with one scale per output
 channel, run by ``torch.ops.aten._weight_int8pack_mm`` on bfloat16 activations. A draft's precision
 never changes the output — the target verifies every drafted token, and under sampling the drafter's
 own (quantized) distribution is what the acceptance rule uses — it can only change how many drafted
-tokens the target accepts; for a weight-bound head it roughly halves the drafting time (BENCHMARKS.md).
+tokens the target accepts; for a weight-bound head it roughly halves the drafting time
+(docs/studies/eagle3_cpu_stages.md).
 The target is never quantized: its layers (also those a ``layers:N`` draft shares with it) are skipped.
 
 ``pack_linears(model)`` swaps every frozen ``nn.Linear`` for a ``PackedLinear`` that keeps the
@@ -19,7 +20,7 @@ original weight (shared, so state dicts, tied embeddings and hooks see the same 
 packed copy. Whether a packed layer runs oneDNN or PyTorch's stock kernel is its ``KernelPolicy``'s
 call, per row count (one row: plain decoding and drafting; more: a verify pass or a prompt), so the
 choice can follow what measures faster on the machine (``decode/kernel_choice.py``): packing wins on
-the CPU it was written on and loses to stock on one with AMX matrix units (BENCHMARKS.md, "CPU kernels"). It is for inference only: a packed layer refuses to run when autograd would need its
+the CPU it was written on and loses to stock on one with AMX matrix units (docs/studies/decoder_speed.md, "CPU kernels"). It is for inference only: a packed layer refuses to run when autograd would need its
 weight's gradient, since the packed copy would not follow an update. ``unpack_linears`` undoes it.
 Packing is skipped (and says why) where it does not apply: not a CPU tensor, not float32, or a
 PyTorch without the oneDNN op.

@@ -2,10 +2,10 @@
 
 oneDNN on prepacked weights (``decode/cpu_kernels.py``) reads the weights of a few-row product at close
 to memory speed on the CPU it was written for, and is slower than PyTorch's stock kernels on a CPU with
-AMX matrix units (BENCHMARKS.md, "CPU kernels"): no fixed choice is right for every CPU. ``choose_kernels``
-times both on the real target, after a prefill of ``CONTEXT`` positions, for the two product shapes
-decoding has: one token (plain decoding, the baseline) and a verify pass of ``width`` tokens. Rounds
-alternate the kernels' order, the first ``WARMUP`` rounds are dropped and the median of the rest is
+AMX matrix units (docs/studies/decoder_speed.md, "CPU kernels"): no fixed choice is right for every CPU.
+``choose_kernels`` times both on the real target, after a prefill of ``CONTEXT`` positions, for the two
+product shapes decoding has: one token (plain decoding, the baseline) and a verify pass of ``width`` tokens.
+Rounds alternate the kernels' order, the first ``WARMUP`` rounds are dropped and the median of the rest is
 compared; each shape keeps the faster kernel, in the ``KernelPolicy`` the packed layers share. Nothing
 numeric depends on the choice beyond float32 rounding: the target verifies every drafted token either way.
 

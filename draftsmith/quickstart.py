@@ -6,7 +6,7 @@
    10 minutes;
    with ``--regenerate N`` it first has the target answer N training prompts (self-distillation,
    ``draftsmith data regenerate``) and trains on those answers instead — better data in principle,
-   but slow to make on a CPU, and at quickstart scale it moved τ within noise (BENCHMARKS.md);
+   but slow to make on a CPU, and at quickstart scale it moved τ within noise (docs/studies/bf16_amx.md);
 2. ``draftsmith eval``: the head against the n-gram drafter and the target alone on dev prompts
    (never trained on).
 

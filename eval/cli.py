@@ -170,7 +170,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         choices=["float", "int8"],
         default="float",
         help="CPU only: 'int8' runs the drafts' own linear layers on int8 weights (one scale per output row; "
-        "decode/cpu_kernels.py): faster drafting for weight-bound heads (BENCHMARKS.md). Output stays exactly the "
+        "decode/cpu_kernels.py): faster drafting for weight-bound heads (docs/studies/eagle3_cpu_stages.md). Output stays exactly the "
         "target's (the target verifies every token and is never quantized); acceptance may change a little",
     )
     p.add_argument(

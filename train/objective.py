@@ -24,7 +24,8 @@ def decoding_walk_steps(accepted: torch.Tensor, starts: torch.Tensor) -> list[li
     token the target produced itself (so not the first token of an answer, which comes from the
     prefill), with k real tokens after them. A step at t that accepts a tokens puts the next draft at
     t + a + 1, right after a rejection, where the draft tends to be weaker: averaging over every start
-    instead overstates τ (BENCHMARKS.md, "Held-out τ along the decoding walk", measures by how much).
+    instead overstates τ (docs/studies/eagle3_cpu_stages.md, "Held-out τ along the decoding walk", measures by
+    how much).
     """
     rows = []
     for lengths, ok in zip(accepted.cpu().tolist(), starts.bool().cpu().tolist()):

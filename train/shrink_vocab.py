@@ -25,7 +25,7 @@ HELP = (
     __doc__.split("\n\n", 1)[1]
     + """
 Example (a head trained with a 32,000-token draft vocabulary, kept to the 8,192 most frequent tokens of
-the target's own answers; what that saves is in BENCHMARKS.md):
+the target's own answers; what that saves is in docs/studies/gpu_h200.md):
 
   draftsmith shrink-vocab HEAD_DIR --size 8192 --out HEAD_DIR_v8k --data regenerated.jsonl
 """

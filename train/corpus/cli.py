@@ -144,7 +144,7 @@ def add_parser(subparsers) -> None:
         default="auto",
         help="continuous: transformers' continuous batching, a finished reply's row goes to the next prompt at "
         "once; static: left-padded batches that run until their longest reply ends; auto (default): "
-        "continuous on a GPU, static on the CPU (faster there, see BENCHMARKS.md)",
+        "continuous on a GPU, static on the CPU (faster there, see docs/studies/regeneration.md)",
     )
     regen.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples at that temperature"

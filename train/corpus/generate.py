@@ -21,8 +21,9 @@ def batching_config(device: torch.device, in_flight: int, longest: int):
     """The continuous-batching settings for ``in_flight`` requests of at most ``longest`` tokens each.
 
     On an accelerator the library sizes its paged cache from free memory. On the CPU it would take 60 %
-    of RAM, and touching that much memory slows decoding (measured: BENCHMARKS.md, "Regeneration"), so
-    there the cache holds just the requests in flight, with prefill chunks of 1,024 tokens.
+    of RAM, and touching that much memory slows decoding (measured: docs/studies/regeneration.md,
+    "Regeneration: transformers' continuous batching against static batches"), so there the cache holds just
+    the requests in flight, with prefill chunks of 1,024 tokens.
     """
     from transformers import ContinuousBatchingConfig
 

@@ -7,7 +7,7 @@ replies included, so later user turns may no longer quite follow; a conversation
 turn gets a reply too. The replies come from one of ``generate.py``'s engines (``batching="continuous"``
 or ``"static"``); the default, ``"auto"``, is continuous on an accelerator and static on the CPU, where
 the library's paged attention (without a flash kernel it attends over every request's keys, masked)
-measured slower than padding (BENCHMARKS.md).
+measured slower than padding (docs/studies/regeneration.md).
 
 A reply that hits ``max_new_tokens`` is flagged: ``truncated_replies`` counts them and ``cut_replies`` lists
 their message indices. Every token of such a reply is the target's own, but the end of turn the chat template
