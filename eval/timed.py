@@ -144,13 +144,31 @@ WARMUP_TOKENS = 16
 """New tokens of each decoder's warm-up generation."""
 
 
+def balanced_order(n: int, i: int) -> list[int]:
+    """The order of ``n`` decoders on prompt ``i``: a Williams design (a balanced Latin square), so over ``n``
+    prompts (``2n`` for odd ``n``) each decoder runs in every place and right after every other one equally
+    often. A plain rotation moves the places but keeps every decoder right after the same one, whose
+    after-effects (a server's threads still spinning, its caches) it then always pays."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    row = i if n % 2 == 0 else i // 2
+    order = [(j + row) % n for j in first]
+    return order[::-1] if n % 2 and i % 2 else order
+
+
 def side_by_side(
     decoders: dict[str, Decoder], warmup: torch.Tensor, prompts: Sequence[torch.Tensor], max_new_tokens: int
 ) -> dict[str, dict]:
     """Every decoder warmed up on ``warmup``, then timed over ``prompts`` interleaved (all decoders on
-    prompt 1, then on prompt 2, ...), the order rotated by one each prompt: a run's speed depends on what
-    ran just before it (caches, the allocator, the CPU's clocks), so a fixed order favours some decoders;
-    on a CPU two runs of identical code differed by 26 % in tokens/s from their places alone. Per decoder:
+    prompt 1, then on prompt 2, ...), in ``balanced_order``: a run's speed depends on what ran just before
+    it (caches, the allocator, the CPU's clocks, a server's spinning threads), so a fixed order favours some
+    decoders; on a CPU two runs of identical code differed by 26 % in tokens/s from their places alone, and
+    under a plain rotation the decoder always run after vLLM's server by 24 %. Per decoder:
     tokens, seconds, tokens/s, its outputs, and how many equal the first decoder's. Wall time per call: the
     new tokens come back as Python ints, so the device has finished by then."""
     for run in decoders.values():
@@ -158,8 +176,7 @@ def side_by_side(
     rows = {name: {"tokens": 0, "seconds": 0.0, "outputs": []} for name in decoders}
     names = list(decoders)
     for i, prompt in enumerate(prompts):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in (names[j] for j in balanced_order(len(names), i)):
             run = decoders[name]
             start = time.perf_counter()
             out = run(prompt, max_new_tokens)
