@@ -1,8 +1,9 @@
 """Timed runs: the target alone and each draft on the same prompts, in the same process.
 
 The baseline is the shared decoder with no drafter (the same loop with k = 0), so every method pays
-the same overheads. Methods run interleaved prompt by prompt (baseline, draft 1, draft 2, ...), which
-spreads slow drift of the machine (thermal, other processes) evenly over them; a short untimed
+the same overheads. Methods run interleaved prompt by prompt, in a balanced order (``balanced_order``: each in
+every place and right after every other equally often), which spreads slow drift of the machine (thermal,
+other processes) and what one method leaves behind for the next evenly over them; a short untimed
 warm-up per method comes first. Each generation gets a fresh ``torch.Generator`` seeded with the
 same seed on the target's device, so sampled runs are reproducible. With a ``TreeSpec`` every draft
 runs through the tree decoder (``decode/tree_decode.py``); the baseline stays the plain loop. A draft
@@ -375,8 +376,9 @@ def evaluate(
         result.policy = method.tree if isinstance(method.tree, TreeBudget) else method.k
 
     shown = EvalProgress(len(prompts), progress)
-    for prompt in prompts:
-        for method, running, result in zip(methods, runs, results):
+    for i, prompt in enumerate(prompts):
+        for j in balanced_order(len(methods), i):
+            method, running, result = methods[j], runs[j], results[j]
             chosen = result.chosen_k if method.adaptive else None  # asked of the method as given: "auto"
             cut = [0] if truncate_prompts else None
             outputs, stats = run_prompt(target, running, prompt, settings, chosen, cut)
@@ -392,6 +394,23 @@ def evaluate(
     generated = results[1] if users else None
     drafts_done = results[1 + len(users) :]
     return EvalResult(results[0], drafts_done, categories, settings.sampling.greedy, generated)
+
+
+def balanced_order(n: int, i: int) -> list[int]:
+    """The order of ``n`` decoders on prompt ``i``: a Williams design (a balanced Latin square), so over ``n``
+    prompts (``2n`` for odd ``n``) each decoder runs in every place and right after every other one equally
+    often. A plain rotation moves the places but keeps every decoder right after the same one, whose
+    after-effects (a server's threads still spinning, its caches) it then always pays."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    row = i if n % 2 == 0 else i // 2
+    order = [(j + row) % n for j in first]
+    return order[::-1] if n % 2 and i % 2 else order
 
 
 def compare_outputs(baseline: MethodResult, result: MethodResult, prompts: Sequence[EvalPrompt]) -> None:

@@ -24,6 +24,7 @@ from draftsmith.decode.batched import generate_batch
 from draftsmith.decode.drafter import Drafter
 from draftsmith.decode.speculative import KPolicy, generate
 from draftsmith.decode.target import Target
+from draftsmith.eval.harness import balanced_order
 from draftsmith.eval.stats import AcceptanceStats, RunStats, Timing
 
 Decoder = Callable[[torch.Tensor, int], list[int]]
@@ -142,23 +143,6 @@ def draftsmith_decoder(target: Target, drafter: Drafter | None, k: KPolicy) -> D
 
 WARMUP_TOKENS = 16
 """New tokens of each decoder's warm-up generation."""
-
-
-def balanced_order(n: int, i: int) -> list[int]:
-    """The order of ``n`` decoders on prompt ``i``: a Williams design (a balanced Latin square), so over ``n``
-    prompts (``2n`` for odd ``n``) each decoder runs in every place and right after every other one equally
-    often. A plain rotation moves the places but keeps every decoder right after the same one, whose
-    after-effects (a server's threads still spinning, its caches) it then always pays."""
-    first, low, high = [0], 1, n - 1
-    while len(first) < n:
-        first.append(low)
-        low += 1
-        if len(first) < n:
-            first.append(high)
-            high -= 1
-    row = i if n % 2 == 0 else i // 2
-    order = [(j + row) % n for j in first]
-    return order[::-1] if n % 2 and i % 2 else order
 
 
 def side_by_side(

@@ -12,6 +12,7 @@ from tiny import tiny_target
 from draftsmith.decode.speculative import generate
 from draftsmith.drafts import build_drafter
 from draftsmith.eval import timed
+from draftsmith.eval.harness import balanced_order
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.train.speed import StepTimer, peak_flops
 
@@ -93,7 +94,7 @@ def test_the_balanced_order_puts_each_decoder_in_every_place_and_after_every_oth
     equally often. A plain rotation (which kept the decoder after vLLM's server 24 % slower on the EPYC
     than the same code elsewhere in the order) fails the second."""
     prompts = n if n % 2 == 0 else 2 * n
-    orders = [timed.balanced_order(n, i) for i in range(prompts)]
+    orders = [balanced_order(n, i) for i in range(prompts)]
     assert all(sorted(order) == list(range(n)) for order in orders)
     assert all({order[p] for order in orders} == set(range(n)) for p in range(n))
     pairs = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
@@ -130,3 +131,30 @@ def test_step_timer_mfu_is_flops_per_token_times_tokens_per_second_over_peak():
     timer.flops_per_token, timer.tokens, timer.seconds = 2e9, 1000, 4.0
     assert timer.mfu(1e12) == pytest.approx(2e9 * 1000 / 4.0 / 1e12)
     assert peak_flops(torch.device("cpu")) is None and timer.mfu() is None  # no peak known on the CPU
+
+
+def test_evaluate_runs_its_methods_in_the_balanced_order(monkeypatch):
+    """draftsmith eval's interleaving: the target alone is not always first, nor always right after the same
+    method (a fixed order measured identical code apart by its place alone)."""
+    from tiny import tiny_target
+
+    from draftsmith.drafts.ngram import NgramDrafter
+    from draftsmith.eval import harness
+    from draftsmith.eval.prompts import EvalPrompt
+
+    ran = []
+    real = harness.run_prompt
+
+    def recording(target, method, prompt, *args, **kwargs):
+        ran.append(method.name)
+        return real(target, method, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(harness, "run_prompt", recording)
+    prompts = [EvalPrompt(f"p{i}", "code", (f"abc {i} abc {i}",)) for i in range(4)]
+    names = ["ngram-a", "ngram-b", "ngram-c"]
+    harness.evaluate(tiny_target("llama"), [(n, NgramDrafter()) for n in names], prompts, max_new_tokens=3,
+                     warmup=0, progress=False)  # fmt: skip
+    orders = [ran[i * 4 : i * 4 + 4] for i in range(4)]
+    assert {order[0] for order in orders} == set(orders[0])  # each method first once
+    after = {(a, b) for order in orders for a, b in zip(order, order[1:])}
+    assert len(after) == 12  # every method right after every other one
