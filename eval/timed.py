@@ -150,9 +150,9 @@ def side_by_side(
 ) -> dict[str, dict]:
     """Every decoder warmed up on ``warmup``, then timed over ``prompts`` interleaved (all decoders on
     prompt 1, then on prompt 2, ...), in ``balanced_order``: a run's speed depends on what ran just before
-    it (caches, the allocator, the CPU's clocks, a server's spinning threads), so a fixed order favours some
+    it (caches, the allocator, the CPU's clocks, what a server left running), so a fixed order favours some
     decoders; on a CPU two runs of identical code differed by 26 % in tokens/s from their places alone, and
-    under a plain rotation the decoder always run after vLLM's server by 24 %. Per decoder:
+    under a plain rotation the decoder that always ran right after vLLM's server read 24 % slower. Per decoder:
     tokens, seconds, tokens/s, its outputs, and how many equal the first decoder's. Wall time per call: the
     new tokens come back as Python ints, so the device has finished by then."""
     for run in decoders.values():
