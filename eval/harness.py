@@ -400,7 +400,7 @@ def balanced_order(n: int, i: int) -> list[int]:
     """The order of ``n`` decoders on prompt ``i``: a Williams design (a balanced Latin square), so over ``n``
     prompts (``2n`` for odd ``n``) each decoder runs in every place and right after every other one equally
     often. A plain rotation moves the places but keeps every decoder right after the same one, whose
-    after-effects (a server's threads still spinning, its caches) it then always pays."""
+    after-effects (caches, the CPU's clocks, what a server left running) it then always pays."""
     first, low, high = [0], 1, n - 1
     while len(first) < n:
         first.append(low)
