@@ -8,7 +8,7 @@ packing, optimiser, schedule, batch and steps, so the same 409,600 training posi
   dflash-L{1,2}-b{8,16}  DFlash, 1 or 2 layers, blocks of 8 or 16, the same 8,192-token draft vocabulary
   peagle            P-EAGLE, 1 layer, 8 tokens per forward, the same draft vocabulary
   dflash-L1-b8-{a512,dpace}, dflash-L3-b8   the DFlash recipe's one-change ablations (every anchor, D-PACE, 3 layers)
-  dspark-L1-b8      DSpark: dflash-L1-b8 with a rank-32 Markov head (trained and judged by draftsmith only: vLLM's
+  dspark-L1-b8[-a512]  DSpark: dflash-L1-b8 (or -a512) with a rank-32 Markov head (trained and judged by draftsmith only: vLLM's
                     CPU build cannot serve DSpark; llama.cpp can, tests/test_llamacpp_dspark.py)
 
 then judged in one run of ``bench/vllm_engine.py``: draftsmith's decoder (one interleaved ``evaluate``, each
@@ -74,30 +74,47 @@ DRAFTS = {
         "kind": "dspark",
         "options": {"num_layers": 1, "block_size": 8, "draft_vocab_size": VOCAB, "markov_rank": 32},
     },
+    "dspark-L1-b8-a512": {  # the two one-change keepers together: DSpark's Markov head on every anchor
+        "kind": "dspark",
+        "options": {
+            "num_layers": 1,
+            "block_size": 8,
+            "draft_vocab_size": VOCAB,
+            "markov_rank": 32,
+            "anchors_per_row": 512,
+        },  # fmt: skip
+    },
 }
 
 
-def recipe(name: str, run: Path) -> dict:
-    """The quickstart recipe with the draft section of ``name`` and no time limit."""
+def run_name(name: str, seed: int) -> str:
+    """The run folder of ``name`` trained with ``seed`` (seed 0 keeps the bare name the first runs used)."""
+    return name if seed == 0 else f"{name}-seed{seed}"
+
+
+def recipe(name: str, run: Path, seed: int = 0) -> dict:
+    """The quickstart recipe with the draft section of ``name``, ``trainer.seed`` (initialisation and data
+    order; the held-out split is ``data.seed``'s and stays the same) and no time limit."""
     data = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
     if DRAFTS[name] is not None:
         data["draft"] = DRAFTS[name]
     data["trainer"]["max_time"] = None
+    data["trainer"]["seed"] = seed
     data["output"]["dir"] = str(run)
     return data
 
 
-def train(name: str, work: Path) -> dict:
-    """Train ``name`` under ``work/name`` unless its draft is there; its record (command, wall seconds, the
-    run's last validation and step count as ``train_state.json`` says)."""
-    run = work / name
+def train(name: str, work: Path, seed: int = 0) -> dict:
+    """Train ``name`` with ``seed`` under ``work/<run name>`` unless its draft is there; its record (command,
+    wall seconds, seed, the run's last validation and step count as ``train_state.json`` says)."""
+    run = work / run_name(name, seed)
     state = run / "draft" / "train_state.json"
-    record: dict = {"run": str(run)}
-    steps = recipe(name, run)["trainer"]["max_steps"]
+    record: dict = {"run": str(run), "draft": name, "seed": seed}
+    steps = recipe(name, run, seed)["trainer"]["max_steps"]
     if not state.is_file() or json.loads(state.read_text()).get("step", 0) < steps:  # validated at the end
         run.mkdir(parents=True, exist_ok=True)
-        config = run.parent / f"{name}.yaml"
-        config.write_text(yaml.safe_dump(recipe(name, run), sort_keys=False))
+        config = run.parent / f"{run.name}.yaml"
+        config.write_text(yaml.safe_dump(recipe(name, run, seed), sort_keys=False))
         cmd = [sys.executable, "-m", "draftsmith.cli", "train", str(config)]
         if (run / "checkpoints").is_dir():
             cmd.append("--resume")
@@ -116,6 +133,10 @@ def main() -> None:
     p.add_argument(
         "--peer", nargs="+", default=[], metavar="NAME=DIR", help="peers' DFlash drafts to judge too"
     )
+    p.add_argument(
+        "--seeds", nargs="+", type=int, default=[0],
+        help="trainer.seed of each run (seed s > 0 trains into <draft>-seed<s>; the held-out rows stay the same)",
+    )  # fmt: skip
     p.add_argument("--no-judge", action="store_true", help="train only")
     p.add_argument("--limit", type=int, default=12, help="dev prompts judged (round-robin over categories)")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -124,12 +145,12 @@ def main() -> None:
     args = p.parse_args()
     work = Path(args.work).resolve()
     names = args.only or list(DRAFTS)
-    trained = {name: train(name, work) for name in names}
-    print(f"\n{'draft':<16} {'steps':>5} {'train s':>8}  last validation")
+    trained = {run_name(n, seed): train(n, work, seed) for n in names for seed in args.seeds}
+    print(f"\n{'run':<24} {'steps':>5} {'train s':>8} {'held-out τ':>10}")
     for name, r in trained.items():
         s = r["train_state"]
         print(
-            f"{name:<16} {s.get('step', '-')!s:>5} {r.get('wall_s', float('nan')):>8.0f}  {s.get('val', '')}"
+            f"{name:<24} {s.get('step', '-')!s:>5} {r.get('wall_s', float('nan')):>8.0f} {s.get('tau', float('nan')):>10.3f}"
         )
     from draftsmith.eval.report import provenance, write_json
 
@@ -139,14 +160,17 @@ def main() -> None:
             "settings": vars(args),
             "drafts": DRAFTS,
             "trained": trained,
-            "provenance": provenance(seed=recipe("eagle3", work)["trainer"].get("seed", 0)),
+            "provenance": provenance(
+                seed=args.seeds[0] if len(args.seeds) == 1 else None
+            ),  # per run: trained[*].seed
         },
     )
     if args.no_judge:
         return
-    heads = [f"{n}={work / n}" for n in names if n == "eagle3"]
-    dflash = [f"{n}={work / n}" for n in names if n.startswith("dflash")] + list(args.peer)
-    peagle = [f"{n}={work / n}" for n in names if n == "peagle"]
+    runs = {run: r["draft"] for run, r in trained.items()}  # run folder name -> draft name
+    heads = [f"{run}={work / run}" for run, n in runs.items() if n == "eagle3"]
+    dflash = [f"{run}={work / run}" for run, n in runs.items() if n.startswith("dflash")] + list(args.peer)
+    peagle = [f"{run}={work / run}" for run, n in runs.items() if n == "peagle"]
     cmd = [sys.executable, str(BENCH / "vllm_engine.py"), "--limit", str(args.limit), "--max-new-tokens",
            str(args.max_new_tokens), "--k", "5", "--work", str(work / "vllm"), "--out", args.judge_out]  # fmt: skip
     for flag, dirs in (("--head", heads), ("--dflash", dflash), ("--peagle", peagle)):
