@@ -3,7 +3,7 @@
 Offline evaluation decodes many prompts; ``generate_batch`` (decode/batched.py) runs several at once,
 each row accepting its own number of draft tokens. For every (method, batch size) this decodes the
 same prompts (first turns of the dev set, round-robin over categories) in chunks of that size, greedy,
-and reports total new tokens / total seconds and τ (``draftsmith.eval.timed.batched_row``). Every
+and reports total new tokens / total seconds and τ (``benchlib.timed.batched_row``). Every
 sequence is checked token for token against the target alone decoded one prompt at a time. A short
 untimed warm-up runs every method first.
 
@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 
+from benchlib.records import bench_record, write_json
+from benchlib.timed import batched_row, decode_batched, decode_each
+
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
 from draftsmith.drafts.base import NGRAM
 from draftsmith.eval.prompts import load_prompts, render
-from draftsmith.eval.report import bench_record, write_json
-from draftsmith.eval.timed import batched_row, decode_batched, decode_each
 
 
 def main() -> None:

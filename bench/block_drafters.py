@@ -152,7 +152,7 @@ def main() -> None:
         print(
             f"{name:<24} {s.get('step', '-')!s:>5} {r.get('wall_s', float('nan')):>8.0f} {s.get('tau', float('nan')):>10.3f}"
         )
-    from draftsmith.eval.report import provenance, write_json
+    from benchlib.records import provenance, write_json
 
     write_json(
         args.out,

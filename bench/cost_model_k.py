@@ -17,13 +17,15 @@ import argparse
 import dataclasses
 import time
 
+from benchlib.records import write_json
+
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
 from draftsmith.drafts.base import LAYERS, NGRAM
 from draftsmith.eval.harness import Method, MethodResult, evaluate
 from draftsmith.eval.prompts import load_prompts
-from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.report import hardware_description
 
 
 def row(result: MethodResult, base: float) -> dict:

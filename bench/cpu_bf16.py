@@ -21,8 +21,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from benchlib.records import write_json
 
-from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.report import hardware_description
 from draftsmith.loading import CPU_BF16_FLAGS, bf16_is_fast, cpu_flags
 
 SHAPES = [  # (name, rows, in, out)

@@ -15,10 +15,11 @@ import statistics
 import time
 
 import torch
+from benchlib.records import write_json
 
 from draftsmith.decode.cpu_kernels import pack_linears, packing_unavailable, unpack_linears
 from draftsmith.decode.target import load_target
-from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.report import hardware_description
 
 
 def main() -> None:

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/results/dataset_cache.json"))
     args = p.parse_args(argv)
 
-    from draftsmith.eval.report import provenance, write_json
+    from benchlib.records import provenance, write_json
+
     from draftsmith.loading import target_tokenizer
     from draftsmith.train.config import load_config
 

@@ -22,8 +22,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-
-from draftsmith.eval.report import bench_record, write_json
+from benchlib.records import bench_record, write_json
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 

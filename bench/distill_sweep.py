@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.eval.report import write_json
+from benchlib.records import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "smollm2_distill.yaml"

@@ -24,7 +24,7 @@ import json
 import statistics
 from pathlib import Path
 
-from draftsmith.eval.report import provenance, write_json
+from benchlib.records import provenance, write_json
 
 BASE = "draftsmith-r45base"
 KEEPER = "draftsmith-r45norms"

@@ -12,7 +12,7 @@ proposes it, each token right with probability α (a wrong token ends the run of
 draft cost. Measured speedup is set against the ideal τ / (1 + k·c), where τ = (1 − α^(k+1)) / (1 − α)
 is the expected tokens per step (``decode.cost_model.expected_tokens``) and c the measured cost of a
 verify pass over a plain step (``eval.stats.SpeedupBound``), minus one, over k (so 1 + k·c is what k + 1
-tokens cost to verify, in plain steps). Runs are timed by the decoder (``eval.timed.decode_each``).
+tokens cost to verify, in plain steps). Runs are timed by the decoder (``benchlib.timed.decode_each``).
 
     python bench/gpu_check.py --out $OUT/gpu_check.json                 # on the GPU machine
     python bench/gpu_check.py --tiny --limit 2 --max-new-tokens 16      # CPU smoke test of the script
@@ -28,6 +28,8 @@ import time
 from dataclasses import replace
 
 import torch
+from benchlib.records import write_json
+from benchlib.timed import decode_each
 
 from draftsmith.decode.cost_model import expected_tokens
 from draftsmith.decode.drafter import Drafter, Proposal
@@ -37,9 +39,8 @@ from draftsmith.drafts import build_drafter
 from draftsmith.drafts.base import NGRAM
 from draftsmith.eval.harness import Method, evaluate, use_static_caches
 from draftsmith.eval.prompts import load_prompts, render
-from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.report import hardware_description
 from draftsmith.eval.stats import RunStats, SpeedupBound
-from draftsmith.eval.timed import decode_each
 
 LLAMA3_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

@@ -4,10 +4,10 @@ A lent GPU comes with minutes, not hours, and a cosine schedule must know its le
 ``train`` first times a few steps of the very recipe (same shapes: with ``data.pack`` every micro-batch
 is batch_size x max_length tokens, so a few steps on a slice of the data give the step time), then
 sets ``trainer.max_steps`` to what fits in ``--minutes`` and trains, with ``trainer.max_time`` as a
-safety net (``draftsmith.train.speed.fit_and_train``). It records tokens/s and model FLOP
+safety net (``benchlib.train_speed.fit_and_train``). It records tokens/s and model FLOP
 utilisation of the real run.
 
-A device call returns at most 16 MiB a file; ``pack`` and ``unpack`` (``draftsmith.export.transport``)
+A device call returns at most 16 MiB a file; ``pack`` and ``unpack`` (``benchlib.transport``)
 bring the head back in parts small enough.
 
     python bench/gpu_eagle3.py train configs/smollm2_eagle3.yaml --minutes 5 --out $OUT/train.json \\
@@ -23,13 +23,14 @@ import json
 import time
 from pathlib import Path
 
-from draftsmith.export.transport import pack, unpack
-from draftsmith.train.speed import fit_and_train
+from benchlib.train_speed import fit_and_train
+from benchlib.transport import pack, unpack
 
 
 def run_train(args, overrides: list[str]) -> None:
+    from benchlib.records import write_json
+
     from draftsmith.decode.target import load_target
-    from draftsmith.eval.report import write_json
     from draftsmith.train.config import load_config
     from draftsmith.train.distributed import target_device
 

@@ -36,8 +36,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-
-from draftsmith.eval.timed import (
+from benchlib.timed import (
     batched_row,
     decode_batched,
     decode_each,
@@ -45,8 +44,9 @@ from draftsmith.eval.timed import (
     side_by_side,
     transformers_decoder,
 )
+from benchlib.train_speed import fit_and_train
+
 from draftsmith.sources import BUILTIN_TRAIN
-from draftsmith.train.speed import fit_and_train
 
 TRAIN_FILES = list(BUILTIN_TRAIN)
 RECIPE = "configs/smollm2_eagle3.yaml"
@@ -149,7 +149,7 @@ def _flagged(path: Path) -> int:
 
 def stage_train(args, target, work: Path, minutes: float) -> dict:
     """The recipe on the regenerated answers for ``minutes``; the head packed into --out."""
-    from draftsmith.export.transport import pack
+    from benchlib.transport import pack
 
     overrides = [
         f"--target.spec={args.target}",
@@ -336,8 +336,10 @@ def main() -> None:
             "--draft.options.ttt_steps=2",
         ]
     began = time.perf_counter()
+    from benchlib.records import write_json
+
     from draftsmith.decode.target import load_target
-    from draftsmith.eval.report import hardware_description, write_json
+    from draftsmith.eval.report import hardware_description
 
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)

@@ -39,13 +39,14 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from benchlib.records import write_json
 from tqdm.auto import tqdm
 
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
 from draftsmith.drafts.base import DISTILL, EAGLE1, EAGLE3
-from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.report import hardware_description
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.train.config import load_config
 from draftsmith.train.corpus.tokens import pad_id_of

@@ -21,8 +21,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from benchlib.records import write_json
 
-from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.report import hardware_description
 
 PROBE = """
 import resource, sys

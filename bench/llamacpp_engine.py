@@ -32,6 +32,9 @@ import dataclasses
 import time
 from pathlib import Path
 
+from benchlib.llamacpp_runs import beside_alone, interleaved_runs
+from benchlib.records import write_json
+
 from draftsmith import llamacpp
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
@@ -39,9 +42,8 @@ from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import build_drafter
 from draftsmith.drafts.base import DFLASH, EAGLE3, NGRAM
 from draftsmith.eval.harness import Method, evaluate
-from draftsmith.eval.llamacpp_runs import beside_alone, interleaved_runs
 from draftsmith.eval.prompts import load_prompts, render
-from draftsmith.eval.report import hardware_description, write_json
+from draftsmith.eval.report import hardware_description
 from draftsmith.export import export_checkpoint
 from draftsmith.export.gguf import QTYPES, write_gguf
 from draftsmith.loading import resolve_model_path, smollm2_gguf_path

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftsmith.eval.report import provenance, write_json
+from benchlib.records import provenance, write_json
 
 LOCK = Path("/tmp/draftsmith-bench.lock")
 

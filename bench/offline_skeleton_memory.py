@@ -62,7 +62,7 @@ def main() -> int:
         print(
             f"| {r['how']} | {r['materialised_mib']:.1f} | {r['increase_mib']:.1f} | {r['meta_parameters']:,} |"
         )
-    from draftsmith.eval.report import provenance, write_json
+    from benchlib.records import provenance, write_json
 
     write_json(args.out, {"target": args.target, "settings": {"dtype": args.dtype}, "rows": rows,
                           "provenance": provenance(seed=None)})  # fmt: skip

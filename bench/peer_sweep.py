@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = seed_runs(train, only(chosen, args.pipelines))
         runs |= {run: seed_runs(train, chosen)[run] for run in args.retrain}
         stage_train(work, [], budget, train, save_record, runs, rerun=set(args.retrain), judge=True)
-    from draftsmith.eval.report import provenance
+    from benchlib.records import provenance
 
     out = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "record": str(args.record),
            "chosen": chosen, "members": members, "provenance": provenance(seed=None)}  # fmt: skip

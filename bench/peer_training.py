@@ -10,7 +10,7 @@ schedule, batching). DFlash is trained by SpecForge, speculators and draftsmith 
            template, assistant loss mask, packed rows, the quickstart's held-out rows), take the rows
            draftsmith's sampler trains on first until --tokens, split them back into conversations and
            write those in each peer's input layout (the peers pad or pack conversations themselves;
-           train/peer_inputs.py)
+           bench/benchlib/peer_inputs.py)
   capture  the stand-in for SGLang's / vLLM's hidden-state capture, which do not run here: the target
            run by transformers, in the dtype draftsmith's recipe runs it in (``target.dtype: auto``), over
            every conversation, written as SpecForge's ``.ckpt`` files and
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     work = args.work.resolve()
     record = json.loads(args.out.read_text()) if args.out.exists() else {}
-    from draftsmith.eval.report import provenance
+    from benchlib.records import provenance
 
     record.update({"date": time.strftime("%Y-%m-%d"), "cpu": cpu_name(), "target": TARGET,
                    "data": list(QUICKSTART_DATA), "work": str(work), "provenance": provenance(seed=quickstart_seed())})  # fmt: skip
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             work, record.get("train", {}), args.eval_limit, args.max_new_tokens
         )
     save()
-    from draftsmith.eval.llamacpp_runs import print_judged
+    from benchlib.llamacpp_runs import print_judged
 
     print_table(budget, record.get("capture"), record.get("train", {}))
     print_judged(record.get("eval") or {}, (record.get("llamacpp") or {}).get("rows") or {})

@@ -9,7 +9,7 @@ Runs, greedy and batch 1, on the first N dev prompts:
   ds:layers:N                 draftsmith's layer-subset drafter (the same draft as hf:assisted)
   hf:assisted(NAME), ds:NAME  with --assistant DIR: a saved draft (e.g. distilled) in both decoders
 Every method warms up on one prompt first, then all run interleaved prompt by prompt
-(``draftsmith.eval.timed.side_by_side``). Prints a table, writes JSON.
+(``benchlib.timed.side_by_side``). Prints a table, writes JSON.
 
     python bench/peers.py --prompts builtin:dev_prompts --limit 12 --out bench/results/peers.json
 """
@@ -20,6 +20,8 @@ import argparse
 import time
 from pathlib import Path
 
+from benchlib.records import write_json
+from benchlib.timed import draftsmith_decoder, side_by_side, transformers_decoder
 from transformers import AutoModelForCausalLM
 
 from draftsmith.decode.cost_model import CostModel
@@ -29,8 +31,7 @@ from draftsmith.drafts import build_drafter
 from draftsmith.drafts.base import LAYERS, NGRAM
 from draftsmith.drafts.layer_subset import layer_subset_view
 from draftsmith.eval.prompts import load_prompts, render
-from draftsmith.eval.report import hardware_description, write_json
-from draftsmith.eval.timed import draftsmith_decoder, side_by_side, transformers_decoder
+from draftsmith.eval.report import hardware_description
 
 
 def main() -> None:

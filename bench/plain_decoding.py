@@ -30,14 +30,14 @@ from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import torch
+from benchlib.records import bench_record, write_json
+from benchlib.timed import draftsmith_decoder, side_by_side, transformers_decoder
 
 from draftsmith import llamacpp, vllm
 from draftsmith.decode.cpu_kernels import KernelPolicy, pack_for_decoding, stock_kernels
 from draftsmith.decode.kernel_choice import choose_kernels, describe
 from draftsmith.decode.target import load_target
 from draftsmith.eval.prompts import load_prompts, render
-from draftsmith.eval.report import bench_record, write_json
-from draftsmith.eval.timed import draftsmith_decoder, side_by_side, transformers_decoder
 from draftsmith.export.gguf import write_gguf
 from draftsmith.loading import resolve_model_path, smollm2_gguf_path
 from draftsmith.openai_client import CompletionServer

@@ -30,8 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib.records import provenance, write_json
+
 from draftsmith import llamacpp
-from draftsmith.eval.report import hardware_description, provenance, write_json
+from draftsmith.eval.report import hardware_description
 from draftsmith.loading import load_causal_lm, resolve_model_path, smollm2_gguf_path
 from draftsmith.openai_client import CompletionServer
 from draftsmith.sources import BUILTIN_TRAIN

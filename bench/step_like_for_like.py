@@ -148,7 +148,7 @@ def steady(run: dict, budget: dict) -> dict:
 def subset_work(capture: Path, work: Path, conversations: int, heldout: int) -> dict:
     """``work`` made from the first conversations of ``capture`` in every pipeline's offline layout (module
     docstring); returns its budget (the capture's, with the subset's counts)."""
-    from draftsmith.train import peer_inputs
+    from benchlib import peer_inputs
 
     budget = json.loads((capture / "data" / "budget.json").read_text())
     capture_train = read_jsonl(capture / "data" / "train.jsonl")
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/results/step_like_for_like.json"))
     args = p.parse_args(argv)
     common.LOCK = args.lock
-    from draftsmith.eval.report import provenance
+    from benchlib.records import provenance
 
     work = args.work.resolve()
     start = time.perf_counter()

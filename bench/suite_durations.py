@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
 
-from draftsmith.eval.report import provenance, write_json
+from benchlib.records import provenance, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 TIERS = {"fast": "not slow and not engine", "slow": "slow and not engine", "engine": "engine"}

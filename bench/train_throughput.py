@@ -6,7 +6,7 @@ the wall time of everything else (loading, the offline feature cache, validation
 is a warm-up, left out of the timing; its FLOPs are counted (``torch.utils.flop_counter``: every
 matmul and attention of the draft's forward and backward and, online, the frozen target's forward),
 which gives model FLOPs per token and, on a GPU, the model FLOP utilisation (MFU) against the
-device's peak dense bf16 FLOP/s (``draftsmith.train.speed``). Prints a table, writes JSON.
+device's peak dense bf16 FLOP/s (``benchlib.train_speed``). Prints a table, writes JSON.
 
     python bench/train_throughput.py --steps 20 --out bench/results/train_throughput.json
     python bench/train_throughput.py --precision bf16-mixed --target-dtype bfloat16   # on a GPU
@@ -18,11 +18,12 @@ import argparse
 import tempfile
 import time
 
+from benchlib.records import bench_record, write_json
+from benchlib.train_speed import StepTimer, peak_flops
+
 from draftsmith.decode.target import load_target
-from draftsmith.eval.report import bench_record, write_json
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
-from draftsmith.train.speed import StepTimer, peak_flops
 
 # name -> (recipe, overrides); every run also gets the same data, length, batch and step count
 SETTINGS = {

@@ -36,6 +36,8 @@ import dataclasses
 import time
 from pathlib import Path
 
+from benchlib.records import bench_record, write_json
+
 from draftsmith import files, vllm
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
@@ -44,7 +46,6 @@ from draftsmith.drafts import build_drafter
 from draftsmith.drafts.base import DFLASH, EAGLE3, LAYERS, MEDUSA, NGRAM, PEAGLE, PEER_DFLASH, PEER_EAGLE3
 from draftsmith.eval.harness import Method, evaluate
 from draftsmith.eval.prompts import load_prompts
-from draftsmith.eval.report import bench_record, write_json
 from draftsmith.eval.served_acceptance import judge_server
 from draftsmith.eval.stats import SpeedupBound
 from draftsmith.export import export_checkpoint, import_peer_head

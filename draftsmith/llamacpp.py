@@ -3,7 +3,7 @@
 The build comes from ``scripts/install_llamacpp.sh`` (llama.cpp's MIT source as vendored in the PyPI
 sdist of llama-cpp-python, built into the draftsmith cache). ``DRAFTSMITH_LLAMACPP`` points at another
 ``build/bin`` folder. Nothing here is needed to train, decode or export; tests that need it skip
-without it. Reading llama.cpp's own acceptance from the server's trace is ``eval/llamacpp_runs.py``'s.
+without it. Reading llama.cpp's own acceptance from the server's trace is ``bench/benchlib/llamacpp_runs.py``'s.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.append(str(Path(__file__).parents[1] / "bench"))  # benchlib: what the bench scripts share
 
 
 def pytest_collection_modifyitems(config, items):

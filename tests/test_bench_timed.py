@@ -1,4 +1,4 @@
-"""The benchmarks' timed runs (eval/timed.py, train/speed.py): what they did is eval/stats'
+"""The benchmarks' timed runs (bench/benchlib/timed.py, bench/benchlib/train_speed.py): what they did is eval/stats'
 record of the generations they ran, and the JSON rows the bench scripts write derive from it."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from collections import Counter
 
 import pytest
 import torch
+from benchlib import timed
+from benchlib.train_speed import StepTimer, peak_flops
 from tiny import tiny_target
 
 from draftsmith.decode.speculative import generate
 from draftsmith.drafts import build_drafter
-from draftsmith.eval import timed
 from draftsmith.eval.harness import balanced_order
 from draftsmith.eval.stats import AcceptanceStats
-from draftsmith.train.speed import StepTimer, peak_flops
 
 MAX_NEW = 24
 

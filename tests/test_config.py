@@ -167,7 +167,7 @@ def _float_keys() -> list[tuple[str, str, int]]:
                     keys.append(("", f"{name}.{key}", len(tuple_of)))
     for kind in objective_kinds():
         cls = options_class(kind)
-        for key, info in (cls.__pydantic_fields__ if cls is not None else {}).items():
+        for key, info in cls.__pydantic_fields__.items():
             if _holds_float(info.annotation):
                 keys.append((kind, f"draft.options.{key}", 0))
     return keys

@@ -58,9 +58,10 @@ def test_train_stage_fits_steps_and_packs_the_head(rehearsal, tmp_path):
     with tarfile.open(out / "meta.tar") as tar:
         assert "manifest.json" in tar.getnames() and "config.json" in tar.getnames()
         tar.extractall(back, filter="data")
+    from benchlib.transport import unpack
+
     from draftsmith.decode.target import load_target
     from draftsmith.drafts import build_drafter
-    from draftsmith.export.transport import unpack
 
     target = load_target(str(out / "work" / "tiny-target"), device="cpu", dtype="float32")
     head = unpack(back, tmp_path / "draft", target)

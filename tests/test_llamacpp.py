@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from benchlib.llamacpp_runs import SpeculativeRun
 from tiny import tiny_bpe_target_gguf
 from transformers import AutoModelForCausalLM
 
@@ -21,7 +22,6 @@ from draftsmith.drafts import distill
 from draftsmith.drafts.eagle import EagleConfig, EagleHead
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 from draftsmith.drafts.eagle_parts import build_vocab_map
-from draftsmith.eval.llamacpp_runs import SpeculativeRun
 from draftsmith.export import export_checkpoint
 from draftsmith.export import gguf as gguf_export
 from draftsmith.export.verify import verify_export

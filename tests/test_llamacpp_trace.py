@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from benchlib.llamacpp_runs import step_counts
 
 from draftsmith import llamacpp
-from draftsmith.eval.llamacpp_runs import step_counts
 
 TRACE = """\
 srv  update_slots: id  0 | task 3 | accepted 2/4 draft tokens, new n_past = 40

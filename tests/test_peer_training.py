@@ -1,4 +1,4 @@
-"""bench/peer_training.py's pure parts (bench/peerbench/) and train/peer_inputs.py: the token budget, the
+"""bench/peer_training.py's pure parts (bench/peerbench/) and bench/benchlib/peer_inputs.py: the token budget, the
 conversations, each peer's input layout.
 
 The layouts are read back by the peers' own readers where their venvs exist (``bash
@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from draftsmith.train import peer_inputs
+from benchlib import peer_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
@@ -522,7 +521,7 @@ def test_a_runs_seed_is_its_own_seed_override_in_any_pipelines_words():
 def test_a_runs_provenance_is_taken_as_it_starts(tmp_path, monkeypatch):
     """A sweep run trains for up to an hour while the tree may move on: its record names the commit it started
     from, not the one checked out when it ended."""
-    import draftsmith.eval.report as report
+    from benchlib import records as report
 
     head = {"commit": "a"}
     monkeypatch.setattr(report, "provenance", lambda seed=None: {"commit": head["commit"], "seed": seed})

@@ -4,8 +4,7 @@ clean, a changed (or new) code file marks it ``+dirty`` with a hash of the diffe
 import subprocess
 
 import pytest
-
-from draftsmith.eval import report
+from benchlib import records
 
 
 def git(repo, *cmd):
@@ -25,7 +24,7 @@ def repo(tmp_path, monkeypatch):
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     git(tmp_path, "add", ".")
     git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
-    monkeypatch.setattr(report, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(records, "REPO_ROOT", tmp_path)
     return tmp_path
 
 
@@ -35,7 +34,7 @@ def test_a_rewritten_result_or_doc_leaves_heads_commit_clean(repo):
     (repo / "docs/guide.txt").write_text("new\n")
     (repo / "README.md").write_text("# new\n")
     (repo / "bench/results/new.json").write_text("{}\n")
-    made = report.provenance(seed=0)
+    made = records.provenance(seed=0)
     assert made["commit"] == head
     assert made["diff_sha256"] is None
 
@@ -45,13 +44,13 @@ def test_changed_code_marks_the_commit_dirty_with_a_hash_of_the_difference(repo,
     head = git(repo, "rev-parse", "HEAD")
     (repo / "bench/results/run.json").write_text('{"tau": 2.0}\n')
     (repo / change).write_text("changed = True\n")
-    made = report.provenance(seed=0)
+    made = records.provenance(seed=0)
     assert made["commit"] == head + "+dirty"
     assert len(made["diff_sha256"]) == 16 and int(made["diff_sha256"], 16) >= 0
     (repo / change).write_text("changed = False\n")
-    assert report.provenance(seed=0)["diff_sha256"] != made["diff_sha256"], "the hash names the difference"
+    assert records.provenance(seed=0)["diff_sha256"] != made["diff_sha256"], "the hash names the difference"
 
 
 def test_outside_a_checkout_there_is_no_commit(tmp_path, monkeypatch):
-    monkeypatch.setattr(report, "REPO_ROOT", tmp_path)
-    assert report.code_commit(tmp_path) == {"commit": None, "diff_sha256": None}
+    monkeypatch.setattr(records, "REPO_ROOT", tmp_path)
+    assert records.code_commit(tmp_path) == {"commit": None, "diff_sha256": None}

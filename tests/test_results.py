@@ -77,7 +77,7 @@ def test_every_committed_result_records_its_provenance_or_is_a_listed_older_one(
 
 
 def test_a_result_without_a_commit_or_a_machine_is_rejected():
-    from draftsmith.eval.report import provenance
+    from benchlib.records import provenance
 
     good = {"provenance": provenance(seed=0)}
     if good["provenance"]["commit"] is None:

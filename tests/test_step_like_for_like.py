@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchlib import peer_inputs
 from test_peer_training import H, fake_capture, run_in_peer
 
-from draftsmith.train import peer_inputs
 from draftsmith.train.feature_dataset import FeatureCache, collate_cached
 
 REPO = Path(__file__).resolve().parents[1]

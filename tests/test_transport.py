@@ -1,4 +1,4 @@
-"""draftsmith.export.transport: how a head trained on a lent GPU comes back through small files."""
+"""benchlib.transport: how a head trained on a lent GPU comes back through small files."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from draftsmith.train.registry import build_objective
 
 @pytest.fixture(scope="module")
 def bench():
-    from draftsmith.export import transport
+    from benchlib import transport
 
     return transport
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -60,36 +59,29 @@ OBJECTIVE_MODULES = {
 for). A kind of ``drafts/`` missing here needs no training (n-gram, layer subset, another pipeline's head)."""
 
 ObjectiveFactory = Callable[["Target", dict[str, Any], "torch.Tensor | None"], "Objective"]
-"""``(target, draft.options, token_counts or None) -> Objective``; with an options class, the options are
-every field of it, checked and with its defaults filled in."""
+"""``(target, draft.options, token_counts or None) -> Objective``: the options are every field of the kind's
+options class, checked and with its defaults filled in."""
 
 _OBJECTIVES: dict[str, ObjectiveFactory] = {}
-_OPTION_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {}
 _OPTION_CLASSES: dict[str, type] = {}
 
 
-def register_objective(
-    kind: str, check: Callable[[dict[str, Any]], None] | None = None, options: type | None = None
-) -> Callable[[ObjectiveFactory], ObjectiveFactory]:
+def register_objective(kind: str, options: type) -> Callable[[ObjectiveFactory], ObjectiveFactory]:
     """Decorator: make ``draft.kind: <kind>`` build its objective with this factory. ``options``, the kind's
-    options class, checks ``draft.options`` (before a target loads) and fills in its defaults; a kind
-    without one may pass ``check(options)``, which refuses bad options without a target."""
+    options class, checks ``draft.options`` (before a target loads) and fills in its defaults."""
 
     def wrap(factory: ObjectiveFactory) -> ObjectiveFactory:
         _OBJECTIVES[kind] = factory
-        if options is not None:
-            _OPTION_CLASSES[kind] = options
-        if check is not None:
-            _OPTION_CHECKS[kind] = check
+        _OPTION_CLASSES[kind] = options
         return factory
 
     return wrap
 
 
-def options_class(kind: str) -> type | None:
-    """The options class of a trainable kind (importing its objective's module), or None if it has none."""
+def options_class(kind: str) -> type:
+    """The options class of a trainable kind (importing its objective's module)."""
     _provide(kind)
-    return _OPTION_CLASSES.get(kind)
+    return _OPTION_CLASSES[kind]
 
 
 def parse_options(kind: str, cls: type, options: dict[str, Any]) -> dict[str, Any]:
@@ -147,10 +139,7 @@ def _provide(kind: str) -> None:
 def check_objective_options(kind: str, options: dict[str, Any]) -> None:
     """The checks of ``draft.kind`` / ``draft.options`` that need no target (unknown kind or key, ...)."""
     _provide(kind)
-    if kind in _OPTION_CLASSES:
-        parse_options(kind, _OPTION_CLASSES[kind], options)
-    if kind in _OPTION_CHECKS:
-        _OPTION_CHECKS[kind](dict(options))
+    parse_options(kind, _OPTION_CLASSES[kind], options)
 
 
 def objective_kinds() -> list[str]:
@@ -161,28 +150,5 @@ def objective_kinds() -> list[str]:
 def build_objective(kind: str, target: Target, options: dict[str, Any], token_counts=None) -> Objective:
     """Build the objective for a draft kind (importing the module that provides it on first use)."""
     _provide(kind)
-    if kind in _OPTION_CLASSES:
-        options = parse_options(kind, _OPTION_CLASSES[kind], options)
+    options = parse_options(kind, _OPTION_CLASSES[kind], options)
     return _OBJECTIVES[kind](target, dict(options), token_counts)
-
-
-def check_options(cls: type, kind: str, options: dict[str, Any]) -> None:
-    """Refuse ``draft.options`` keys that ``cls``'s constructor does not take, naming the valid ones (for a
-    kind without an options class)."""
-    accepted = _constructor_options(cls)
-    for key in options:
-        if accepted is not None and key not in accepted:
-            raise unknown_key(f"draft.options.{key}", sorted(accepted), f"draft.options of kind {kind!r}")
-
-
-def _constructor_options(cls: type) -> set[str] | None:
-    """Keyword options a class's constructor takes, following ``**options`` up the MRO (None = unknown)."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if "__init__" not in vars(klass):
-            continue
-        params = list(inspect.signature(vars(klass)["__init__"]).parameters.values())[2:]  # self, target
-        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            return names - {"token_counts", "preset"}
-    return None

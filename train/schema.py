@@ -331,9 +331,6 @@ def describe_options() -> str:
     lines = []
     for kind in objective_kinds():
         cls = options_class(kind)
-        if cls is None:
-            lines.append(f"\ndraft.options of kind {kind}:  its objective's keyword arguments")
-            continue
         lines.append(f"\ndraft.options of kind {kind}:")
         lines += [_key_help(key, _documented(cls, key), "  ") for key in cls.__pydantic_fields__]
     return "\n".join(lines)

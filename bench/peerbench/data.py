@@ -30,8 +30,9 @@ def render_rows(seed: int = 0):
 
 
 def stage_data(work: Path, tokens: int, draft: str = "eagle3") -> dict:
+    from benchlib import peer_inputs as peer
+
     from draftsmith.loading import resolve_model_path
-    from draftsmith.train import peer_inputs as peer
 
     tokenizer, config, train_ds, heldout_ds = render_rows()
     t = config.trainer
@@ -112,11 +113,11 @@ def stage_capture(work: Path) -> dict:
     """The stand-in capture: SpecForge's ``.ckpt`` files (train/, heldout/) and speculators' dataset."""
     import resource
 
+    from benchlib.peer_inputs import capture, write_peer_features
     from transformers import AutoModelForCausalLM
 
     from draftsmith.drafts.eagle import default_eagle3_layers
     from draftsmith.loading import resolve_dtype
-    from draftsmith.train.peer_inputs import capture, write_peer_features
 
     with bench_lock() as waited:
         start, cpu0 = time.perf_counter(), _self_cpu()

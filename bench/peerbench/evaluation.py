@@ -42,11 +42,11 @@ def stage_llamacpp(work: Path, results: dict, limit: int, max_new_tokens: int, k
     own τ, per-position acceptance and speedup. Dev prompts as the eval stage's, first turn only."""
     import dataclasses
 
+    from benchlib.llamacpp_runs import beside_alone, interleaved_runs
     from transformers import AutoTokenizer
 
     from draftsmith import llamacpp
     from draftsmith.drafts.base import EAGLE3
-    from draftsmith.eval.llamacpp_runs import beside_alone, interleaved_runs
     from draftsmith.eval.prompts import load_prompts, render
     from draftsmith.export.gguf import write_gguf
     from draftsmith.loading import resolve_model_path, smollm2_gguf_path

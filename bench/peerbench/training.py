@@ -75,7 +75,7 @@ def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None 
         out = work / "runs" / run
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         print(f"peer_training: training {run} ...", file=sys.stderr, flush=True)
-        from draftsmith.eval.report import provenance
+        from benchlib.records import provenance
 
         overrides = list(ablations.get(run, []))
         made = provenance(seed=run_seed(overrides, pipeline))  # each run's own, taken as it starts

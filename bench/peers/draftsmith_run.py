@@ -14,7 +14,7 @@ With another ``trainer.batch_size`` the run takes as many steps as see the same 
 (``online_steps``). Those are the first conversations of draftsmith's own shuffle, a sample of the same
 pool as the peers' (the ones packed into the rows above), not the very same conversations.
 ``--draft dflash``: the quickstart recipe with its ``draft`` section replaced by a DFlash draft (one layer,
-block size 8, DFlash's defaults otherwise: ``train/peer_inputs.draftsmith_dflash_draft``), written beside
+block size 8, DFlash's defaults otherwise: ``bench/benchlib/peer_inputs.draftsmith_dflash_draft``), written beside
 the run as ``recipe.yaml``; the rest of the recipe (data, optimizer, schedule, batch) as it is.
 
 ``--offline DIR`` (bench/step_like_for_like.py): the quickstart recipe offline from the feature cache in
@@ -41,7 +41,9 @@ from driver import driver_args, record_steps, write_result
 from draftsmith.train.config import load_config
 from draftsmith.train.loop import train
 from draftsmith.train.objective import Batch
-from draftsmith.train.peer_inputs import draftsmith_dflash_draft
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # bench/, for benchlib
+from benchlib.peer_inputs import draftsmith_dflash_draft  # noqa: E402
 
 SWEEP_BASE = Path(__file__).with_name("sweep_base.yaml")
 """The quickstart recipe as the sweep began, frozen (its header says why)."""
