@@ -258,3 +258,27 @@ def test_the_check_finds_a_circle_through_a_type_only_import(tmp_path):
     assert circles(folder_graph(list(paths), paths)) == {abc}
     del paths[tmp_path / "decode" / "c.py"]
     assert circles(folder_graph(list(paths), paths)) == set()
+
+
+ENTRY_POINTS = {"draftsmith", "draftsmith.cli"}
+"""What a user runs or imports first: the package and pyproject's ``draftsmith = "draftsmith.cli:main"``."""
+
+
+def test_every_module_serves_the_product():
+    """No module of the package exists only for bench/ or the tests: each is imported, or named in a registry
+    string, by another module of the package (what only the benches need lives in bench/benchlib/). An
+    engine's module is found by its record's name (``export/engines.py``: ``draftsmith.export.<name>``)."""
+    from draftsmith.drafts.engines import export_engines
+
+    reached = set(ENTRY_POINTS) | {f"draftsmith.export.{engine.name}" for engine in export_engines()}
+    for path in SOURCES:
+        here = module_name(path)
+        reached |= {m for m in imports(path) + named_modules(path) if m != here}
+    for module in list(reached):  # importing draftsmith.x.y imports its packages too
+        parts = module.split(".")
+        reached |= {".".join(parts[:n]) for n in range(1, len(parts))}
+    unreached = sorted(MODULES - reached)
+    assert not unreached, (
+        f"{unreached} are imported by no module of the package (only by bench/ or tests, or by nothing): move "
+        "what only the benches need into bench/benchlib/, delete what nothing needs"
+    )
