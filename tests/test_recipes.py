@@ -29,8 +29,13 @@ TWINS = {
     "qwen3_30b_a3b_eagle3.yaml": ("Qwen/Qwen3-30B-A3B", "qwen3_moe"),
     "qwen3_30b_a3b_eagle3_offline.yaml": ("Qwen/Qwen3-30B-A3B", "qwen3_moe"),
     "llama33_70b_eagle3_offline.yaml": ("meta-llama/Llama-3.3-70B-Instruct", "llama"),
+    "qwen3_8b_dflash.yaml": ("Qwen/Qwen3-8B", "qwen3"),
+    "llama31_8b_dflash.yaml": ("meta-llama/Llama-3.1-8B-Instruct", "llama"),
 }
 """recipe -> (the target it is written for, the architecture of its twin)."""
+SCALED = {"draft_vocab_size", "capture_layer_ids"}
+"""Draft options the twin cannot take as written: a draft vocabulary of its size, taps among its 4 layers (the
+kind's default taps: the recipes' ids run to layer 33)."""
 
 CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 """The transformers class of each twin, as the real target's config.json names it."""
@@ -89,14 +94,18 @@ def test_every_real_target_recipe_has_a_twin():
 def test_recipe_starts_on_its_tiny_twin(tmp_path, recipe):
     spec, arch = TWINS[recipe]
     as_shipped = load_config(CONFIGS / recipe)
-    assert as_shipped.target.spec == spec and as_shipped.draft.kind == "eagle3"
+    assert as_shipped.target.spec == spec and as_shipped.draft.kind in ("eagle3", "dflash")
+    eagle, own_vocab = as_shipped.draft.kind == "eagle3", "draft_vocab_size" in as_shipped.draft.options
     twin = save_twin(tmp_path / "twin", arch)
-    assert json.loads((twin / "config.json").read_text())["architectures"] == [CLASSES[arch]]
+    twin_config = json.loads((twin / "config.json").read_text())
+    assert twin_config["architectures"] == [CLASSES[arch]]
     data = write_conversations(tmp_path / "convs.jsonl")
     config = load_config(
         CONFIGS / recipe,
         [f"--target.spec={twin}", f"--data.paths=[{data}]", "--data.regenerated=null", "--data.limit=null",
-         "--data.heldout=4", f"--data.max_length={MAX_LENGTH}", f"--draft.options.draft_vocab_size={DRAFT_VOCAB}",
+         "--data.heldout=4", f"--data.max_length={MAX_LENGTH}",
+         *([f"--draft.options.draft_vocab_size={DRAFT_VOCAB}"] if own_vocab else []),
+         *([] if eagle else ["--draft.options.capture_layer_ids=null"]),
          f"--cache.dir={tmp_path / 'cache'}", f"--output.dir={tmp_path / 'run'}",
          # a single CPU process in place of the recipe's 8 GPUs
          "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.strategy=auto", "--trainer.num_workers=0",
@@ -114,8 +123,8 @@ def test_recipe_starts_on_its_tiny_twin(tmp_path, recipe):
         shipped.activation_checkpointing,
         shipped.val_k,
     )
-    assert {k: v for k, v in config.draft.options.items() if k != "draft_vocab_size"} == {
-        k: v for k, v in as_shipped.draft.options.items() if k != "draft_vocab_size"
+    assert {k: v for k, v in config.draft.options.items() if k not in SCALED} == {
+        k: v for k, v in as_shipped.draft.options.items() if k not in SCALED
     }
 
     result = train(config, enable_progress_bar=False)
@@ -123,7 +132,9 @@ def test_recipe_starts_on_its_tiny_twin(tmp_path, recipe):
     assert result.steps == 2
     check_validation_tau(result, config.trainer.val_k)
     head = json.loads((result.draft_dir / "config.json").read_text())
-    assert head["draft_vocab_size"] == DRAFT_VOCAB and head["num_decoder_layers"] == 1
+    layers = head["num_decoder_layers"] if eagle else head["num_hidden_layers"]
+    vocab = DRAFT_VOCAB if own_vocab else twin_config["vocab_size"]  # none: the target's LM head, all of it
+    assert head["draft_vocab_size"] == vocab and layers == as_shipped.draft.options["num_layers"]
     if config.mode == "offline":
         assert any((tmp_path / "cache").rglob("*.safetensors")), "the offline recipe filled its feature cache"
 
