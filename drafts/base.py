@@ -7,9 +7,11 @@ the model card's tag), what the card calls it, how it loads, its ``Family``, the
 whether there is a checkpoint, the check of its saved folder (``--to hf``), its lines of the model card;
 engine records key their writers and refusals by its name. A kind's file in ``drafts/`` registers its
 record and spells its name once (a constant there); the registry imports that file the first time the
-kind is asked for (``KIND_MODULES``), so reading a config or a spec never imports torch. Adding a kind =
-one file here (model, drafter, family, record) and, if it trains, one objective in ``train/objectives/``
-named in ``train/registry.py``'s ``OBJECTIVE_MODULES`` (train/ knows drafts/, never the other way round).
+kind is asked for (``KINDS``), so reading a config or a spec never imports torch. Adding a kind = one file
+here (model, drafter, family, record), if it trains one objective in ``train/objectives/``, if engines
+serve it one module in ``draftsmith/export/`` that registers its writers, verifiers and card sections onto
+the engine records, and one line of ``KINDS`` naming them (bare module names: train/ and the export
+package find them there; this layer imports neither).
 
 Every trained draft records the target it was trained for (``Target.record()``); ``check_target`` is
 the one check, shared by every kind, that a draft meets that target.
@@ -183,21 +185,37 @@ LAYERS = "layers"
 """The kinds' names, spelled here once (beside ``PEER_EAGLE3``) so that the registry, recipes, train's
 objective map and the app name a kind without importing its module."""
 
-KIND_MODULES = {
-    EAGLE1: "draftsmith.drafts.eagle",
-    EAGLE3: "draftsmith.drafts.eagle",
-    DISTILL: "draftsmith.drafts.distill",
-    MEDUSA: "draftsmith.drafts.medusa",
-    DFLASH: "draftsmith.drafts.dflash",
-    DSPARK: "draftsmith.drafts.dspark",
-    PEAGLE: "draftsmith.drafts.peagle",
-    NGRAM: "draftsmith.drafts.ngram",
-    LAYERS: "draftsmith.drafts.layer_subset",
-    MIRROR: "draftsmith.drafts.mirror",
-    PEER_EAGLE3: "draftsmith.drafts.eagle_import",
-    PEER_DFLASH: "draftsmith.drafts.dflash_import",
+
+@dataclass(frozen=True)
+class KindFiles:
+    """Where a kind's parts live, each named by its module in its own folder (bare names, so that this layer
+    names no module above it): the one line a kind adds to ``KINDS``."""
+
+    drafts: str
+    """``drafts/<drafts>.py``: its model, drafter, family and record (imported the first time it is asked for)."""
+    objective: str | None = None
+    """``train/objectives/<objective>.py``: the objective that trains it (None: nothing to train)."""
+    export: str | None = None
+    """``draftsmith/export/<export>.py``: its writers, verifiers and card sections per engine, registered onto
+    the engine records (None: the engines' own writers for its family, or none)."""
+
+
+KINDS = {
+    EAGLE1: KindFiles("eagle", objective="eagle"),
+    EAGLE3: KindFiles("eagle", objective="eagle"),
+    MIRROR: KindFiles("mirror", objective="eagle"),
+    DISTILL: KindFiles("distill", objective="distill"),
+    MEDUSA: KindFiles("medusa", objective="medusa", export="medusa"),
+    DFLASH: KindFiles("dflash", objective="dflash", export="dflash"),
+    DSPARK: KindFiles("dspark", objective="dspark", export="dspark"),
+    PEAGLE: KindFiles("peagle", objective="peagle"),
+    NGRAM: KindFiles("ngram"),
+    LAYERS: KindFiles("layer_subset"),
+    PEER_EAGLE3: KindFiles("eagle_import"),
+    PEER_DFLASH: KindFiles("dflash_import"),
 }
-"""Kind name -> the module that registers its record (imported on first use)."""
+"""The one registry of kinds: name -> where its parts live. The drafts registry imports ``drafts`` on first
+use, train's registry ``objective``, the export package every ``export`` before an engine writes."""
 LEGACY_KINDS = {"eagle": None, "small_lm": DISTILL, "causal_lm": DISTILL}
 """Names earlier versions wrote; ``eagle`` is resolved by the head's ``preset``."""
 _KINDS: dict[str, DraftKind] = {}
@@ -210,13 +228,13 @@ def register(kind: DraftKind) -> DraftKind:
 
 
 def kind_names() -> list[str]:
-    return sorted(set(KIND_MODULES) | set(_KINDS))
+    return sorted(set(KINDS) | set(_KINDS))
 
 
 def draft_kind(name: str) -> DraftKind:
     """The record of the kind called ``name``; an error naming the closest known one otherwise."""
-    if name not in _KINDS and name in KIND_MODULES:
-        importlib.import_module(KIND_MODULES[name])
+    if name not in _KINDS and name in KINDS:
+        importlib.import_module(f"draftsmith.drafts.{KINDS[name].drafts}")
     if name not in _KINDS:
         close = closest(name, kind_names())
         hint = f" Did you mean {close!r}?" if close else ""
@@ -362,7 +380,7 @@ def build_drafter(spec: str, target: Target) -> Drafter:
     records, and any other causal LM on the target's tokenizer as an independent draft.
     """
     name, _, arg = spec.partition(":")
-    if name in KIND_MODULES and not Path(spec).exists():
+    if name in KINDS and not Path(spec).exists():
         kind = draft_kind(name)
         if not kind.family.checkpoint:
             return kind.build(target, arg)

@@ -28,6 +28,8 @@ Usage = Callable[..., list[str]]
 """``(card context) -> the model card's Markdown lines for this engine`` (empty: no section)."""
 Detector = Callable[[dict, dict], bool]
 """``(config.json, tensors) -> whether a head directory is in this layout`` (layouts draftsmith reads)."""
+Recognise = Callable[[dict], bool]
+"""``export's config.json -> whether it is in this family's layout`` (which verifier checks an export)."""
 
 
 @dataclass(eq=False)
@@ -50,7 +52,14 @@ class Engine:
     """Whether the engine can hand a draft the output of the target's last decoder layer (vLLM captures every
     layer's output; SGLang and llama.cpp capture only layer inputs): ``drafts/taps.py``."""
     writers: dict[str, Writer] = field(default_factory=dict)
-    """Draft family -> its writer (registered by ``draftsmith/export/<name>.py``)."""
+    """Draft family -> its writer (registered by ``draftsmith/export/<name>.py`` for what the engine serves
+    of its own accord, by the kind's export module, ``drafts/base.KINDS``, for the rest)."""
+    usages: dict[str, Usage] = field(default_factory=dict)
+    """Draft family -> the model card's section for such drafts (registered with the writer); a family
+    without one gets the engine's ``usage``."""
+    verifiers: dict[str, tuple[Recognise, Verifier]] = field(default_factory=dict)
+    """Draft family -> (whether an export's config.json is in its layout, the check of such an export), tried
+    before the engine's own ``verify``."""
     fallback: Writer | None = None
     """The writer of any family with a checkpoint that ``writers`` does not name (hf: the family's own
     ``hf_writer``, else the draft directory as it is); None: such a family is refused."""

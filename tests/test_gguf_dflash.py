@@ -10,7 +10,7 @@ from tiny import tiny_bpe_target_gguf
 
 from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.export import export_checkpoint
-from draftsmith.export import gguf as gguf_export
+from draftsmith.export import gguf_dflash as dflash_gguf
 from draftsmith.export.gguf_dflash import dflash_fields, dflash_tensors
 from draftsmith.export.gguf_verify import verify_gguf
 from draftsmith.train.registry import build_objective
@@ -91,12 +91,12 @@ def test_the_verifier_refuses_what_llama_cpp_would_misread(
     config = {**draft.config.to_dict(), **config_change}
     weights = dict(draft.state_dict())
     if drop == "d2t":  # a head over 100 tokens but no map: llama.cpp would score them as ids 0..99
-        monkeypatch.setattr(gguf_export, "dflash_tensors", lambda w, c: without(dflash_tensors(w, c), "d2t"))
+        monkeypatch.setattr(dflash_gguf, "dflash_tensors", lambda w, c: without(dflash_tensors(w, c), "d2t"))
     elif drop:
         weights.pop(drop)
     if fields:
-        monkeypatch.setattr(gguf_export, "dflash_fields", fields)
-    file = gguf_export.write_dflash_gguf(config, weights, tmp_path / "d.gguf", drafts["target_gguf"], "f32")
+        monkeypatch.setattr(dflash_gguf, "dflash_fields", fields)
+    file = dflash_gguf.write_dflash_gguf(config, weights, tmp_path / "d.gguf", drafts["target_gguf"], "f32")
     assert any(problem in p for p in verify_gguf(file)), verify_gguf(file)
 
 
@@ -104,4 +104,4 @@ def test_a_draft_reading_layers_out_of_order_is_refused(drafts, tmp_path):
     draft, _ = drafts[None]
     config = {**draft.config.to_dict(), "capture_layer_ids": [3, 1]}
     with pytest.raises(ValueError, match="ascending order"):
-        gguf_export.write_dflash_gguf(config, draft.state_dict(), tmp_path / "d.gguf", drafts["target_gguf"])
+        dflash_gguf.write_dflash_gguf(config, draft.state_dict(), tmp_path / "d.gguf", drafts["target_gguf"])

@@ -267,10 +267,16 @@ ENTRY_POINTS = {"draftsmith", "draftsmith.cli"}
 def test_every_module_serves_the_product():
     """No module of the package exists only for bench/ or the tests: each is imported, or named in a registry
     string, by another module of the package (what only the benches need lives in bench/benchlib/). An
-    engine's module is found by its record's name (``export/engines.py``: ``draftsmith.export.<name>``)."""
+    engine's module is found by its record's name (``export/engines.py``: ``draftsmith.export.<name>``), a
+    kind's by its line of the one registry (``drafts/base.KINDS``)."""
+    from draftsmith.drafts.base import KINDS
     from draftsmith.drafts.engines import export_engines
 
     reached = set(ENTRY_POINTS) | {f"draftsmith.export.{engine.name}" for engine in export_engines()}
+    for files in KINDS.values():
+        reached |= {f"draftsmith.drafts.{files.drafts}"}
+        reached |= {f"draftsmith.train.objectives.{files.objective}"} if files.objective else set()
+        reached |= {f"draftsmith.export.{files.export}"} if files.export else set()
     for path in SOURCES:
         here = module_name(path)
         reached |= {m for m in imports(path) + named_modules(path) if m != here}

@@ -18,7 +18,7 @@ from draftsmith.decode.speculative import generate
 from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts.dflash import DFlashDrafter
 from draftsmith.export import export_checkpoint
-from draftsmith.export import gguf as gguf_export
+from draftsmith.export import gguf_dflash as dflash_gguf
 from draftsmith.export.verify import verify_export
 
 pytestmark = [
@@ -126,12 +126,12 @@ def test_llamacpp_drafts_with_the_dflash_draft_what_draftsmith_drafts(tiny, dfla
 def test_without_the_layer_id_shift_llamacpp_drafts_otherwise(tiny, dflash, tmp_path, monkeypatch):
     """The check above can fail: target_layers written in draftsmith's convention (output of layer i) make
     llama.cpp feed the draft the input of layer i instead, and its blocks differ."""
-    fields = gguf_export.dflash_fields
+    fields = dflash_gguf.dflash_fields
 
     def unshifted(config):
         return fields({**config, "capture_layer_ids": [i - 1 for i in config["capture_layer_ids"]]})
 
-    monkeypatch.setattr(gguf_export, "dflash_fields", unshifted)
+    monkeypatch.setattr(dflash_gguf, "dflash_fields", unshifted)
     target, draft, prompt = tiny["target"], dflash["draft"], dflash["prompt"]
     file = export_checkpoint(locate_checkpoint(str(dflash["dir"])), "gguf", tmp_path / "d.gguf", "f32",
                              str(tiny["target_gguf"]))  # fmt: skip

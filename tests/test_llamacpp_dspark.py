@@ -28,7 +28,7 @@ from draftsmith.decode.speculative import generate
 from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts.dspark import DSparkDrafter
 from draftsmith.export import export_checkpoint
-from draftsmith.export import gguf as gguf_export
+from draftsmith.export import gguf_dflash as dflash_gguf
 from draftsmith.export.verify import verify_export
 
 pytestmark = [
@@ -95,12 +95,12 @@ def test_without_the_markov_head_llamacpp_drafts_otherwise(tiny, dspark, tmp_pat
     """The same draft exported with its Markov tensors dropped (plain DFlash to llama.cpp): the blocks differ
     from draftsmith's DSpark blocks, so the test above sees the head."""
     target, draft, prompt = tiny["target"], dspark["draft"], dspark["prompt"]
-    plain = gguf_export.dflash_tensors
+    plain = dflash_gguf.dflash_tensors
 
     def no_markov(weights, config):
         return plain({n: t for n, t in weights.items() if not n.startswith("markov_head.")}, config)
 
-    monkeypatch.setattr(gguf_export, "dflash_tensors", no_markov)
+    monkeypatch.setattr(dflash_gguf, "dflash_tensors", no_markov)
     draft_dir = tiny["root"] / "dspark-plain" / "draft"
     draft.save_pretrained(draft_dir)
     gguf_file = export_checkpoint(locate_checkpoint(str(draft_dir)), "gguf", tmp_path / "plain.gguf", "f32",

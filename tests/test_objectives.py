@@ -1,4 +1,5 @@
-"""train/'s registry owns which kinds train and by which objective module; drafts/ names no train module."""
+"""Which kinds train and by which objective module: their line of the one registry (``drafts/base.KINDS``, a bare
+module name, so drafts/ names no train module), resolved by train's registry."""
 
 from __future__ import annotations
 
@@ -6,21 +7,28 @@ import importlib
 
 import pytest
 
-from draftsmith.drafts.base import draft_kind, kind_names
+from draftsmith.drafts.base import KINDS, KindFiles, draft_kind, kind_names
 from draftsmith.train import registry
-from draftsmith.train.registry import OBJECTIVE_MODULES, check_kind, check_objective_options, objective_kinds
+from draftsmith.train.registry import (
+    check_kind,
+    check_objective_options,
+    objective_kinds,
+    objective_module,
+)
+
+TRAINABLE = sorted(kind for kind, files in KINDS.items() if files.objective)
 
 
-@pytest.mark.parametrize("kind", sorted(OBJECTIVE_MODULES))
+@pytest.mark.parametrize("kind", TRAINABLE)
 def test_each_trainable_kind_is_a_draft_kind_its_module_registers(kind):
     assert draft_kind(kind).name == kind
-    importlib.import_module(OBJECTIVE_MODULES[kind])
-    assert kind in registry._OBJECTIVES  # a map entry naming the wrong module would leave it out
+    importlib.import_module(objective_module(kind))
+    assert kind in registry._OBJECTIVES  # a registry line naming the wrong module would leave it out
 
 
 def test_every_kind_either_trains_or_says_it_needs_no_training():
-    untrainable = [k for k in kind_names() if k not in OBJECTIVE_MODULES]
-    assert untrainable and set(objective_kinds()) >= set(OBJECTIVE_MODULES)
+    untrainable = [k for k in kind_names() if k not in TRAINABLE]
+    assert untrainable and set(objective_kinds()) >= set(TRAINABLE)
     for kind in untrainable:
         for check in (check_kind, lambda kind: check_objective_options(kind, {})):
             with pytest.raises(ValueError, match=rf"draft.kind '{kind}' is a .*needs no training. Trainable"):
@@ -34,7 +42,7 @@ def test_an_unknown_kind_names_the_closest_trainable_one():
 
 
 def test_a_module_that_registers_nothing_is_named(monkeypatch):
-    monkeypatch.setitem(OBJECTIVE_MODULES, "ngram", "draftsmith.train.objectives.common")
+    monkeypatch.setitem(KINDS, "ngram", KindFiles("ngram", objective="common"))
     with pytest.raises(
         RuntimeError, match=r"draftsmith.train.objectives.common registers no objective.*'ngram'"
     ):

@@ -1,7 +1,7 @@
 """``draft.kind`` → the objective that trains it, for the one training loop.
 
 The kinds and their names are ``drafts/base.py``'s records; which of them train, and by which module of
-``train/objectives/``, is train's own knowledge (``OBJECTIVE_MODULES``). That module registers a factory
+``train/objectives/``, is their line of the one registry, ``KINDS``. That module registers a factory
 with ``@register_objective(kind, options=OptionsClass)`` when it is first imported, so reading a recipe
 imports no objective. The options class (a pydantic dataclass like ``train/schema.py``'s sections, each
 field's docstring its help) is the one source of a kind's ``draft.options``: their check (unknown key
@@ -17,18 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from draftsmith.drafts.base import (
-    DFLASH,
-    DISTILL,
-    DSPARK,
-    EAGLE1,
-    EAGLE3,
-    MEDUSA,
-    MIRROR,
-    PEAGLE,
-    draft_kind,
-    kind_names,
-)
+from draftsmith.drafts.base import KINDS, draft_kind, kind_names
 from draftsmith.spelling import closest
 
 if TYPE_CHECKING:
@@ -45,18 +34,12 @@ def unknown_key(key: str, valid: list[str], where: str) -> ValueError:
     return ValueError(f"unknown key {key!r} in {where}.{hint} Valid keys: {', '.join(valid)}")
 
 
-OBJECTIVE_MODULES = {
-    EAGLE1: "draftsmith.train.objectives.eagle",
-    EAGLE3: "draftsmith.train.objectives.eagle",
-    MIRROR: "draftsmith.train.objectives.eagle",
-    MEDUSA: "draftsmith.train.objectives.medusa",
-    DISTILL: "draftsmith.train.objectives.distill",
-    DFLASH: "draftsmith.train.objectives.dflash",
-    DSPARK: "draftsmith.train.objectives.dspark",
-    PEAGLE: "draftsmith.train.objectives.peagle",
-}
-"""Trainable kind → the module that registers its objective (imported the first time the kind is asked
-for). A kind of ``drafts/`` missing here needs no training (n-gram, layer subset, another pipeline's head)."""
+def objective_module(kind: str) -> str | None:
+    """The module that registers ``kind``'s objective (``drafts/base.py``'s ``KINDS`` names it), or None for a
+    kind that needs no training (n-gram, layer subset, another pipeline's head)."""
+    files = KINDS.get(kind)
+    return f"draftsmith.train.objectives.{files.objective}" if files and files.objective else None
+
 
 ObjectiveFactory = Callable[["Target", dict[str, Any], "torch.Tensor | None"], "Objective"]
 """``(target, draft.options, token_counts or None) -> Objective``: the options are every field of the kind's
@@ -117,7 +100,7 @@ def _option_problem(key: str, e: dict) -> str:
 def check_kind(kind: str) -> None:
     """Refuse a ``draft.kind`` that does not train, importing nothing: an unknown one names the closest
     trainable kind, a training-free one (``ngram``, ...) says it needs no training."""
-    if kind in _OBJECTIVES or kind in OBJECTIVE_MODULES:
+    if kind in _OBJECTIVES or objective_module(kind):
         return
     if kind not in kind_names():
         raise unknown_key(kind, objective_kinds(), "draft.kind (no such draft kind)")
@@ -131,9 +114,10 @@ def _provide(kind: str) -> None:
     if kind in _OBJECTIVES:
         return
     check_kind(kind)
-    importlib.import_module(OBJECTIVE_MODULES[kind])
+    module = objective_module(kind)
+    importlib.import_module(module)
     if kind not in _OBJECTIVES:
-        raise RuntimeError(f"{OBJECTIVE_MODULES[kind]} registers no objective for draft.kind {kind!r}")
+        raise RuntimeError(f"{module} registers no objective for draft.kind {kind!r}")
 
 
 def check_objective_options(kind: str, options: dict[str, Any]) -> None:
@@ -143,8 +127,8 @@ def check_objective_options(kind: str, options: dict[str, Any]) -> None:
 
 
 def objective_kinds() -> list[str]:
-    """Every kind with a training objective (``OBJECTIVE_MODULES``, plus objectives registered directly)."""
-    return sorted(set(_OBJECTIVES) | set(OBJECTIVE_MODULES))
+    """Every kind with a training objective (``KINDS``, plus objectives registered directly)."""
+    return sorted(set(_OBJECTIVES) | {kind for kind in KINDS if objective_module(kind)})
 
 
 def build_objective(kind: str, target: Target, options: dict[str, Any], token_counts=None) -> Objective:

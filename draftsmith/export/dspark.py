@@ -1,6 +1,6 @@
 """DSpark drafts in vLLM 0.32's layout (``Qwen3DSparkModel``, ``model_executor/models/qwen3_dspark.py``).
 
-DFlash's folder (``export/dflash.py``: the backbone's tensors and config) with the Markov head's two tensors
+DFlash's folder (``export/dflash_vllm.py``: the backbone's tensors and config) with the Markov head's two tensors
 under vLLM's names (``markov_head.markov_w1.weight`` [V, r], indexed by target ids; ``markov_head.markov_w2.weight``
 [Vd, r]), ``architectures: ["Qwen3DSparkModel"]``, ``markov_rank`` (read with no default), and draftsmith's
 block as DSpark's fill-in layout: ``sample_from_anchor: false`` (slot 0 holds the last token, every later slot
@@ -9,7 +9,9 @@ confidence head is written (draftsmith does not train one; vLLM then drops it).
 
 vLLM's CPU build cannot serve DSpark (it lives only in the Triton-based V2 model runner:
 docs/studies/dspark_in_vllm_cpu.md), so ``verify_dspark_vllm`` checks the folder against that loader's
-source, as DFlash's verifier does; llama.cpp here serves the same draft (``gguf_dflash.py``).
+source, as DFlash's verifier does; llama.cpp here serves the same draft (``gguf_dflash.py``: llama.cpp's
+``dflash`` architecture with ``markov_w1``/``markov_w2``). The two are what the DSpark kind registers onto the
+engine records (``drafts/base.KINDS`` names this module); SGLang and speculators have no DSpark layout here.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.draft_checkpoint import DraftCheckpoint
-from draftsmith.export.dflash import check_dflash_config, engine_tensors, vllm_config, write_folder
+from draftsmith.drafts.base import DSPARK
+from draftsmith.drafts.engines import GGUF, VLLM
+from draftsmith.export import gguf_dflash
+from draftsmith.export.dflash import vllm_usage
+from draftsmith.export.dflash_vllm import check_dflash_config, engine_tensors, vllm_config, write_folder
 from draftsmith.export.eagle import SOURCE_KEY
-from draftsmith.export.engines import ExportOptions
+from draftsmith.export.engines import ExportOptions, architecture_is, checked, register_family
 from draftsmith.export.verify import _read_tensors, read_export_config
 
 DSPARK_ARCHITECTURE = "Qwen3DSparkModel"
@@ -71,3 +77,10 @@ def verify_dspark_vllm(folder: Path) -> list[str]:
     backbone = {**config, "block_size": int(config.get("block_size") or 0) + 1}
     rest = {name: t for name, t in tensors.items() if name not in (MARKOV_W1, MARKOV_W2)}
     return problems + check_dflash_config(backbone, rest)
+
+
+register_family(
+    DSPARK, VLLM, write_vllm, vllm_usage,
+    (architecture_is(DSPARK_ARCHITECTURE), checked("DSpark draft", verify_dspark_vllm)),
+)  # fmt: skip
+register_family(DSPARK, GGUF, gguf_dflash.write_dflash, gguf_dflash.usage)

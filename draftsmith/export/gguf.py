@@ -9,7 +9,8 @@ Written with ``gguf.GGUFWriter`` under llama.cpp's names and metadata keys:
   ``output`` over the draft vocabulary, ``d2t`` as absolute target ids (absent for a full vocabulary), and
   ``eagle3.target_layers`` in llama.cpp's convention (id L = the input of target layer L). The head's token
   embedding is left out: llama.cpp then embeds with the target's, which the head's is a frozen copy of;
-- a DFlash draft in llama.cpp's ``dflash`` architecture (names and metadata in ``gguf_dflash.py``).
+- block drafters in llama.cpp's ``dflash`` architecture, written with these parts by ``gguf_dflash.py`` (their
+  kinds register it).
 
 q_proj and k_proj rows are permuted the way llama.cpp's converter does (its rotary pairs adjacent
 dimensions; transformers undoes the permutation on load). The tokenizer goes in as metadata: copied from
@@ -35,7 +36,6 @@ from transformers import AutoConfig, AutoTokenizer
 
 from draftsmith import __version__, files
 from draftsmith.draft_checkpoint import DraftCheckpoint
-from draftsmith.drafts.base import DFLASH, DSPARK
 from draftsmith.drafts.engines import GGUF
 from draftsmith.export import GGUF_WRITER_KEY, check_gguf_replaceable
 from draftsmith.export.eagle import (
@@ -46,7 +46,6 @@ from draftsmith.export.eagle import (
     read_weights,
 )
 from draftsmith.export.engines import CardContext, ExportOptions
-from draftsmith.export.gguf_dflash import check_dflash_exportable, dflash_fields, dflash_tensors
 from draftsmith.export.gguf_tokenizer import (
     TARGET_GGUF_FIX,
     fields_with_prefix,
@@ -345,26 +344,6 @@ def _add_tensors(writer: gguf.GGUFWriter, tensors: dict[str, torch.Tensor], dtyp
             _add_tensor(writer, name, tensor, dtype)
 
 
-def write_dflash_gguf(config: dict, weights: dict[str, torch.Tensor], out_file: str | Path, target_gguf: Path,
-                      dtype: str = "f16", name: str = DFLASH_ARCH) -> Path:  # fmt: skip
-    """Write a DFlash draft (its ``config.json`` as a dict and its tensors) as a llama.cpp ``dflash`` GGUF;
-    ``target_gguf`` is the GGUF of its target, whose tokenizer it copies after checking the pair."""
-    _check_dtype(dtype)
-    check_dflash_exportable(config)
-    tokenizer_fields = check_target_gguf(Path(target_gguf), config["target"])
-    tensors = dflash_tensors(weights, config)
-    extra = dflash_fields(config)
-    ours = {key for key, *_ in extra}
-
-    def fill(writer: gguf.GGUFWriter) -> None:
-        writer.add_name(name)
-        _add_decoder_hparams(writer, config, dtype)
-        _copy_fields(writer, [f for f in tokenizer_fields if f[0] not in ours] + extra)
-        _add_tensors(writer, tensors, dtype)
-
-    return _write_file(Path(out_file), DFLASH_ARCH, fill)
-
-
 def target_gguf_of(ckpt: DraftCheckpoint, given: str | None) -> Path | None:
     """The GGUF of the draft's target: --target-gguf, the bundled SmolLM2 GGUF for its drafts, a target
     recorded as a .gguf file, else None."""
@@ -415,19 +394,17 @@ def write_head(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path
     )
 
 
-def write_dflash(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
-    check_dflash_exportable(ckpt.config)
-    source = required_target_gguf(ckpt, options, "a DFlash draft")
-    name = (ckpt.run_dir or ckpt.draft_dir).resolve().name
-    file = gguf_file(ckpt, out, options)
-    return write_dflash_gguf(
-        ckpt.config, read_weights(ckpt.draft_dir), file, source, options.gguf_dtype, name
-    )
-
-
 def write_draft(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
     file = gguf_file(ckpt, out, options)
     return write_gguf(ckpt.draft_dir, file, options.gguf_dtype, target_gguf_of(ckpt, options.target_gguf))
+
+
+AMX_NOTE = [
+    "(the command draftsmith's engine benchmark runs; add `--no-repack` on CPUs with AMX, "
+    "ggml-org/llama.cpp#20824)",
+    "",
+]
+"""The last lines of every llama.cpp section of the model card."""
 
 
 def usage(card: CardContext) -> list[str]:
@@ -439,9 +416,6 @@ def usage(card: CardContext) -> list[str]:
     if family == "eagle":
         export = "--out head.gguf  # --target-gguf TARGET.gguf unless draftsmith knows it"
         spec, draft = "draft-eagle3", "head.gguf"
-    elif family in (DFLASH, DSPARK):  # a whole block: a shorter one is attended otherwise than trained
-        export = "--out draft.gguf  # --target-gguf TARGET.gguf unless draftsmith knows it"
-        spec, draft, k = "draft-dflash", "draft.gguf", int(card.config.get("block_size", k + 1)) - 1
     else:
         export, spec, draft = "--gguf-dtype q8_0 --out draft.gguf", "draft-simple", "draft.gguf"
     return [
@@ -452,13 +426,9 @@ def usage(card: CardContext) -> list[str]:
         f"llama-server -m TARGET.gguf --spec-type {spec} --spec-draft-model {draft} --spec-draft-n-max {k}",
         "```",
         "",
-        "(the command draftsmith's engine benchmark runs; add `--no-repack` on CPUs with AMX, "
-        "ggml-org/llama.cpp#20824)",
-        "",
+        *AMX_NOTE,
     ]
 
 
-GGUF.writers.update(
-    {"eagle": write_head, "causal_lm": write_draft, DFLASH: write_dflash, DSPARK: write_dflash}
-)
+GGUF.writers.update({"eagle": write_head, "causal_lm": write_draft})
 GGUF.verify, GGUF.usage = verify, usage

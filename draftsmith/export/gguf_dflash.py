@@ -9,17 +9,34 @@ graph ropes NeoX-style, as draftsmith does), ``fc``, ``hidden_norm`` as ``enc.ou
 ``tokenizer.ggml.mask_token_id`` (``llama_vocab_mask``). The embedding and LM head are left to the
 target's (``ctx_other``); a reduced draft vocabulary brings ``output`` and ``d2t`` as absolute target ids
 (I64), as the converter's DSpark path writes them: its plain DFlash path would copy vLLM's offsets as
-they are. The file itself is written by ``gguf.py``, as the EAGLE-3 heads are, for the reasons given
+they are. The file is written with ``gguf.py``'s parts, as the EAGLE-3 heads are, for the reasons given
 there (the converter refuses tokenizers it has no hash for, and wants the target's Hugging Face folder).
+``write_dflash`` and ``usage`` are what the DFlash and DSpark kinds register for the ``gguf`` engine.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import torch
 
+from draftsmith.draft_checkpoint import DraftCheckpoint
 from draftsmith.drafts.engines import GGUF
 from draftsmith.drafts.taps import refuse_uncaptured_last_layer
+from draftsmith.export.eagle import read_weights
+from draftsmith.export.engines import CardContext, ExportOptions
+from draftsmith.export.gguf import (
+    AMX_NOTE,
+    _add_decoder_hparams,
+    _add_tensors,
+    _check_dtype,
+    _copy_fields,
+    _write_file,
+    check_target_gguf,
+    gguf_file,
+    required_target_gguf,
+)
 from draftsmith.export.gguf_verify import DFLASH_ARCH
 
 LAYER_NAMES = {
@@ -97,3 +114,50 @@ def check_dflash_exportable(config: dict) -> None:
             "llama.cpp's dflash graph sizes fc by the draft's hidden size and feeds it the target's: they must "
             f"be equal (draft {config.get('hidden_size')}, target {(config.get('target') or {}).get('hidden_size')})"
         )
+
+
+def write_dflash_gguf(config: dict, weights: dict[str, torch.Tensor], out_file: str | Path, target_gguf: Path,
+                      dtype: str = "f16", name: str = DFLASH_ARCH) -> Path:  # fmt: skip
+    """Write a DFlash draft (its ``config.json`` as a dict and its tensors) as a llama.cpp ``dflash`` GGUF;
+    ``target_gguf`` is the GGUF of its target, whose tokenizer it copies after checking the pair."""
+    _check_dtype(dtype)
+    check_dflash_exportable(config)
+    tokenizer_fields = check_target_gguf(Path(target_gguf), config["target"])
+    tensors = dflash_tensors(weights, config)
+    extra = dflash_fields(config)
+    ours = {key for key, *_ in extra}
+
+    def fill(writer: gguf.GGUFWriter) -> None:
+        writer.add_name(name)
+        _add_decoder_hparams(writer, config, dtype)
+        _copy_fields(writer, [f for f in tokenizer_fields if f[0] not in ours] + extra)
+        _add_tensors(writer, tensors, dtype)
+
+    return _write_file(Path(out_file), DFLASH_ARCH, fill)
+
+
+def write_dflash(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
+    check_dflash_exportable(ckpt.config)
+    source = required_target_gguf(ckpt, options, "a DFlash draft")
+    name = (ckpt.run_dir or ckpt.draft_dir).resolve().name
+    file = gguf_file(ckpt, out, options)
+    return write_dflash_gguf(
+        ckpt.config, read_weights(ckpt.draft_dir), file, source, options.gguf_dtype, name
+    )
+
+
+def usage(card: CardContext) -> list[str]:
+    """llama-server running a block drafter's GGUF: a whole block each step (a shorter one is attended otherwise
+    than trained)."""
+    k = int(card.config.get("block_size", 2)) - 1
+    return [
+        "### llama.cpp / LM Studio",
+        "",
+        "```bash",
+        f"draftsmith export {card.repo_id} --to gguf --out draft.gguf  # --target-gguf TARGET.gguf unless "
+        "draftsmith knows it",
+        f"llama-server -m TARGET.gguf --spec-type draft-dflash --spec-draft-model draft.gguf --spec-draft-n-max {k}",
+        "```",
+        "",
+        *AMX_NOTE,
+    ]

@@ -1,21 +1,17 @@
 """The ``sglang`` engine's work: EAGLE-3 heads in the reference layout with SGLang's layer ids
-(``eagle.py``), distilled drafts as their transformers directory (SGLang's ``STANDALONE`` drafting), DFlash
-drafts as SpecForge's ``DFlashDraftModel`` folder (SpecForge 0.2.0's exporter sends SGLang users to that
-layout, its ``export --to hf``; vLLM's loader reads the same, so it is ``export/dflash.py``'s vLLM writer).
-P-EAGLE heads go as SpecForge's ``PEagleDraftModel`` folder, which the same exporter sends to SGLang. SGLang
-itself does not run here: both layouts are judged by SpecForge's own classes (tests/test_dflash_peers.py,
-tests/test_peagle.py)."""
+(``eagle.py``), distilled drafts as their transformers directory (SGLang's ``STANDALONE`` drafting).
+P-EAGLE heads go as SpecForge's ``PEagleDraftModel`` folder, which SpecForge's exporter sends to SGLang. A
+kind with a layout of its own registers it here from its export module (``drafts/base.KINDS``). SGLang
+itself does not run here: SpecForge's own classes judge the layouts (tests/test_peagle.py,
+tests/test_dflash_peers.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from draftsmith.draft_checkpoint import DraftCheckpoint
-from draftsmith.drafts.base import DFLASH
 from draftsmith.drafts.engines import SGLANG
-from draftsmith.drafts.taps import refuse_uncaptured_last_layer
 from draftsmith.export import copy_export
-from draftsmith.export.dflash import DFLASH_ARCHITECTURE, verify_dflash_vllm, write_vllm
 from draftsmith.export.eagle import (
     check_exportable,
     export_eagle,
@@ -47,15 +43,6 @@ def write_eagle(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Pat
 
 def usage(card: CardContext) -> list[str]:
     base, repo, k = card.base_model, card.repo_id, card.k
-    if card.kind.family.name == DFLASH:  # not run here: no command draftsmith has not seen work
-        return [
-            "### SGLang",
-            "",
-            f"`draftsmith export {repo} --to sglang --out draft-sglang` writes SpecForge's `DFlashDraftModel` "
-            "folder, the layout SpecForge's exporter gives SGLang; serve it as SGLang's DFlash documentation says "
-            f"(a block drafts {int(card.config.get('block_size', 2)) - 1} tokens).",
-            "",
-        ]
     if card.kind.family.name == "causal_lm":
         algorithm, draft, export, note = "STANDALONE", repo, [], []
     else:
@@ -80,25 +67,14 @@ def usage(card: CardContext) -> list[str]:
     ]
 
 
-def write_dflash(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
-    """vLLM's ``DFlashDraftModel`` folder, refused for a draft that reads the target's last layer (SGLang marks
-    ``layers[id + 1]`` to capture, and a target has no layer L)."""
-    refuse_uncaptured_last_layer(
-        list(ckpt.config.get("capture_layer_ids") or []), int(ckpt.target.get("num_hidden_layers", 0)), SGLANG
-    )
-    return write_vllm(ckpt, out, options)
-
-
 def verify(folder: Path) -> tuple[str, list[str]]:
-    """A DFlash draft by vLLM's checks (the same ``DFlashDraftModel`` folder), anything else as the reference
-    engines' exports."""
+    """A P-EAGLE head as SpecForge's folder, anything else as the reference engines' exports (a family of its
+    own registers its own check: ``Engine.verifiers``)."""
     architectures = read_export_config(folder).get("architectures")
-    if architectures == [DFLASH_ARCHITECTURE]:
-        return "DFlash draft", verify_dflash_vllm(folder)
     if architectures == [PEAGLE_ARCHITECTURE]:
         return "P-EAGLE head", verify_peagle_sglang(folder)
     return verify_reference_engine(folder, SGLANG)
 
 
-SGLANG.writers.update({"eagle": write_eagle, "causal_lm": copy_export, DFLASH: write_dflash})
+SGLANG.writers.update({"eagle": write_eagle, "causal_lm": copy_export})
 SGLANG.verify, SGLANG.usage = verify, usage

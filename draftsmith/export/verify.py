@@ -25,7 +25,7 @@ from draftsmith import files
 from draftsmith.drafts.distill import CAUSAL_LM
 from draftsmith.drafts.eagle_parts import check_vocab_maps
 from draftsmith.drafts.engines import SGLANG, SPECULATORS, VLLM, Engine
-from draftsmith.export.engines import engine_of
+from draftsmith.export.engines import engine_of, verifier_of
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 EXPORT_FIX = "Export it again from its checkpoint (`draftsmith export CKPT --to ENGINE --overwrite`)"
@@ -363,50 +363,12 @@ def read_export_config(folder: Path) -> dict:
 
 
 def is_engine_eagle3(config: dict) -> bool:
-    """An EAGLE-3 head in an engine's layout (vLLM, SGLang), not draftsmith's own."""
-    if config.get("architectures") == [MEDUSA_ARCHITECTURE]:
-        return False
-    return config.get("architectures") == [EAGLE3_ARCHITECTURE] or "draftsmith_source" in config
-
-
-MEDUSA_ARCHITECTURE = "MedusaModel"
-
-
-def verify_medusa_vllm(folder: Path) -> list[str]:
-    """Problems a Medusa export has for vLLM 0.32's ``MedusaModel`` (model_executor/models/medusa.py,
-    transformers_utils/configs/medusa.py): its loader keeps only names it has a parameter for (anything
-    else is silently dropped, a missing one stays uninitialised), so every name and shape is checked."""
-    config = read_export_config(folder)
-    problems = []
-    renamed = [k for k in config if "num" in k and ("heads" in k or "layers" in k)]
-    if sorted(renamed) != ["num_heads", "num_hidden_layers"]:
-        problems.append(
-            f"config keys vLLM renames to num_heads / num_hidden_layers: {renamed} (need exactly those two)"
-        )
-    if config.get("truncated_vocab_size", config.get("vocab_size")) != config.get("vocab_size"):
-        problems.append(
-            "truncated_vocab_size below vocab_size needs a token_map, which draftsmith does not write"
-        )
-    H, V = config.get("hidden_size"), config.get("vocab_size")
-    heads, layers = config.get("num_heads", 0), config.get("num_hidden_layers", 0)
-    bias = bool(config.get("medusa_fc_bias", False))
-    want = {f"blocks.{h}.layers.{i}.weight": (H, H) for h in range(heads) for i in range(layers)}
-    if bias:
-        want |= {f"blocks.{h}.layers.{i}.bias": (H,) for h in range(heads) for i in range(layers)}
-    if config.get("original_lm_head", False):
-        want["lm_head.weight"] = (V, H)
-    else:
-        want |= {f"lm_heads.{h}.weight": (V, H) for h in range(heads)}
-    have = {name: tuple(t.shape) for name, t in _read_tensors(folder).items()}
-    problems += [
-        f"missing {n} {list(shape)} (vLLM would leave it uninitialised)"
-        for n, shape in want.items()
-        if n not in have
-    ]
-    problems += [f"{n} is {list(have[n])}, vLLM builds {list(shape)}" for n, shape in want.items()
-                 if n in have and tuple(have[n]) != shape]  # fmt: skip
-    problems += [f"{n}: vLLM's Medusa has no such parameter and drops it" for n in have if n not in want]
-    return problems
+    """An EAGLE-3 head in an engine's layout (vLLM, SGLang), not draftsmith's own: its architecture, or the
+    source record an EAGLE export carries (it names the engine; other families' records name their kind)."""
+    source = config.get("draftsmith_source")
+    return config.get("architectures") == [EAGLE3_ARCHITECTURE] or (
+        isinstance(source, dict) and "engine" in source
+    )
 
 
 def verify_hf(folder: Path) -> tuple[str, list[str]]:
@@ -429,10 +391,14 @@ def verify_reference_engine(folder: Path, engine: Engine) -> tuple[str, list[str
     config = read_export_config(folder)
     if is_engine_eagle3(config):
         return "EAGLE-3 head", verify_eagle3_engine(folder, engine.name)
-    if config.get("architectures") == [MEDUSA_ARCHITECTURE]:
-        if engine.name != VLLM.name:
-            return "Medusa heads", [f"{folder} is vLLM's Medusa layout; {engine.name} has no Medusa loader"]
-        return "Medusa heads", verify_medusa_vllm(folder)
+    source = config.get("draftsmith_source")
+    if (
+        isinstance(source, dict) and "kind" in source
+    ):  # a family's own layout no check of this engine recognised
+        return str(source["kind"]), [
+            f"{folder} is draftsmith's {source['kind']} export for another engine: {engine.name} has no loader "
+            f"for it; export it with --to {engine.name}"
+        ]
     kind = kind_of_config(config)
     if kind.family is CAUSAL_LM:
         return kind.title, verify_causal_lm(folder, engine.name)
@@ -446,9 +412,11 @@ def verify_export(folder: str | Path, engine: str | Engine) -> list[str]:
     """Check ``folder`` as an export for ``engine`` (its name or record) with the engine's verifier; return
     what was checked, raise with every problem."""
     folder, record = Path(folder), engine_of(engine)
-    if record.verify is None:
+    config = read_export_config(folder) if folder.is_dir() and (folder / "config.json").is_file() else {}
+    verify = verifier_of(record, config)
+    if verify is None:
         raise ValueError(f"the {record.name} engine registers no verifier; nothing checks its exports")
-    what, problems = record.verify(folder)
+    what, problems = verify(folder)
     if problems:
         raise ExportVerificationError(
             f"{folder} is not a valid {record.name} export:\n" + "\n".join(f"  - {p}" for p in problems)
