@@ -208,7 +208,7 @@ KINDS = {
     MEDUSA: KindFiles("medusa", objective="medusa", export="medusa"),
     DFLASH: KindFiles("dflash", objective="dflash", export="dflash"),
     DSPARK: KindFiles("dspark", objective="dspark", export="dspark"),
-    PEAGLE: KindFiles("peagle", objective="peagle"),
+    PEAGLE: KindFiles("peagle", objective="peagle", export="peagle"),
     NGRAM: KindFiles("ngram"),
     LAYERS: KindFiles("layer_subset"),
     PEER_EAGLE3: KindFiles("eagle_import"),

@@ -19,8 +19,8 @@ import torch
 
 from draftsmith.decode.drafter import Drafter, Proposal
 from draftsmith.decode.sampling import Sampling, sample, to_probs
-from draftsmith.drafts.base import DRAFT_KIND_KEY, PEAGLE, DraftKind, register
-from draftsmith.drafts.eagle import EAGLE, EagleHead, load_head
+from draftsmith.drafts.base import DRAFT_KIND_KEY, PEAGLE, DraftKind, Family, register
+from draftsmith.drafts.eagle import EagleHead, card_lines, load_head, verify_saved
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 from draftsmith.drafts.engines import HF, SGLANG, SPECULATORS, VLLM
 
@@ -72,6 +72,9 @@ def _build(target, path: str) -> Drafter:
     return ParallelEagleDrafter(head, name=f"{PEAGLE}:{Path(path).name}")
 
 
-register(DraftKind(PEAGLE, "P-EAGLE head", _build, EAGLE, exports=(HF, VLLM, SPECULATORS, SGLANG), refusal=(
+PARALLEL_HEADS = Family(PEAGLE, "P-EAGLE head", verify_hf=verify_saved, card_lines=card_lines)
+"""EAGLE heads that draft a whole chain in one forward: stored as ``EagleHead`` (with ``mask_hidden`` and
+``mask_token_id``), served in the engines' EAGLE-3 layouts with parallel drafting (``export/peagle.py``)."""
+register(DraftKind(PEAGLE, "P-EAGLE head", _build, PARALLEL_HEADS, exports=(HF, VLLM, SPECULATORS, SGLANG), refusal=(
     "llama.cpp 0.3.36's eagle3 graph drafts one token per forward, which would run the head as the chain head it "
     "was not trained to be; export it --to vllm, speculators or sglang")))  # fmt: skip

@@ -301,7 +301,7 @@ def write_folder(out: Path, config: dict, weights: dict[str, torch.Tensor]) -> P
 
 def export_eagle(ckpt: DraftCheckpoint, out: Path, engine: str) -> Path:
     """Write ``ckpt`` (an EAGLE head) as the folder ``out`` in the reference layout for ``engine`` (vllm, sglang)."""
-    if ckpt.kind.family.name != "eagle":
+    if not isinstance(ckpt.config.get("capture_layer_ids"), list) or "num_decoder_layers" not in ckpt.config:
         raise ValueError(f"{ckpt.draft_dir} is a {ckpt.kind.title}, not an EAGLE head")
     check_exportable(ckpt.config, engine)
     weights = reference_weights(read_weights(ckpt.draft_dir), ckpt.config, engine)

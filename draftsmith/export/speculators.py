@@ -1,5 +1,4 @@
-"""EAGLE-3 and P-EAGLE heads in the speculators format (``Eagle3Speculator``, ``PEagleSpeculator``), the
-layout vLLM's docs point to (a kind with a speculators layout of its own registers it from its export module,
+"""EAGLE-3 heads in the speculators format (``Eagle3Speculator``), the layout vLLM's docs point to (a kind with a speculators layout of its own registers it from its export module,
 ``drafts/base.KINDS``).
 
 vLLM reads it through ``vllm/transformers_utils/configs/speculators`` (docs/EXPORT.md gives the
@@ -33,17 +32,12 @@ from draftsmith.export.eagle import (
 )
 from draftsmith.export.engines import CardContext, ExportOptions
 from draftsmith.export.verify import (
-    SPECULATORS_PARALLEL_ALGORITHM,
-    read_export_config,
     verify_speculators,
 )
 
 ARCHITECTURE = "Eagle3Speculator"
 ALGORITHM = "eagle3"
 """``speculators_model_type`` and ``algorithm`` of an EAGLE-3 head: speculators' name for it."""
-PARALLEL_ARCHITECTURE, PARALLEL_ALGORITHM = "PEagleSpeculator", SPECULATORS_PARALLEL_ALGORITHM
-"""The same for a P-EAGLE head (speculators' ``PEagleSpeculatorConfig``; vLLM maps it to EAGLE-3 with
-``parallel_drafting``)."""
 SCHEMA_VERSION = "0.9.0"
 """The speculators release whose ``Eagle3SpeculatorConfig`` this layout follows."""
 SPECULATIVE_TOKENS = 5
@@ -59,15 +53,19 @@ def verifier_record(target: dict) -> dict:
     return {"name_or_path": hub_id_of_target(target), "architectures": [arch] if arch else []}
 
 
-def speculators_config(config: dict, dtype: torch.dtype, source: dict) -> dict:
-    """config.json of an ``Eagle3Speculator`` checkpoint for the EAGLE-3 head ``config`` (its config.json), or
-    of a ``PEagleSpeculator`` for a P-EAGLE head (vLLM then drafts in parallel without being told)."""
+def speculators_config(
+    config: dict,
+    dtype: torch.dtype,
+    source: dict,
+    architecture: str = ARCHITECTURE,
+    algorithm: str = ALGORITHM,
+) -> dict:
+    """config.json of an ``Eagle3Speculator`` checkpoint for the EAGLE head ``config`` (its config.json); a
+    family that speculators stores under another class passes its ``architecture`` and ``algorithm``. A head's
+    ``mask_token_id`` (the token of slots drafted in parallel) is carried top-level."""
     target = config["target"]
-    parallel = config.get("mask_token_id") is not None
-    algorithm, architecture = (
-        (PARALLEL_ALGORITHM, PARALLEL_ARCHITECTURE) if parallel else (ALGORITHM, ARCHITECTURE)
-    )
-    extra = {"mask_token_id": int(config["mask_token_id"])} if parallel else {}
+    mask = config.get("mask_token_id")
+    extra = {"mask_token_id": int(mask)} if mask is not None else {}
     return {
         "architectures": [architecture],
         "speculators_model_type": algorithm,
@@ -101,20 +99,25 @@ def speculators_config(config: dict, dtype: torch.dtype, source: dict) -> dict:
     }
 
 
-def write_speculators(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
-    """The EAGLE head ``ckpt`` as an ``Eagle3Speculator`` folder."""
+def write_speculators(
+    ckpt: DraftCheckpoint,
+    out: Path,
+    options: ExportOptions,
+    architecture: str = ARCHITECTURE,
+    algorithm: str = ALGORITHM,
+) -> Path:
+    """The EAGLE head ``ckpt`` as an ``Eagle3Speculator`` folder (or the ``architecture`` and ``algorithm``
+    a family passes: ``speculators_config``)."""
     check_exportable(ckpt.config, SPECULATORS.name)
     weights = reference_weights(read_weights(ckpt.draft_dir), ckpt.config, SPECULATORS.name)
     source = source_record(ckpt.config, SPECULATORS.name)
-    config = speculators_config(ckpt.config, weights["fc.weight"].dtype, source)
+    config = speculators_config(ckpt.config, weights["fc.weight"].dtype, source, architecture, algorithm)
     return write_folder(out, config, layer_names(weights))
 
 
 def verify(folder: Path) -> tuple[str, list[str]]:
     """An EAGLE-3 head (a family of its own registers its own check: ``Engine.verifiers``)."""
-    config = read_export_config(folder)
-    what = "P-EAGLE head" if config.get("mask_token_id") is not None else "EAGLE-3 head"
-    return f"{what} (speculators format)", verify_speculators(folder)
+    return "EAGLE-3 head (speculators format)", verify_speculators(folder)
 
 
 def usage(card: CardContext) -> list[str]:

@@ -311,31 +311,6 @@ def verify_speculators(folder: Path) -> list[str]:
     return problems
 
 
-def verify_peagle_sglang(folder: Path) -> list[str]:
-    """Problems a P-EAGLE export has as SpecForge's ``PEagleDraftModel`` folder (its ``from_pretrained``: a Llama
-    config, ``layers.0.*``, ``mask_hidden``), with SGLang's layer ids as for EAGLE-3."""
-    config = files.read_json(folder / "config.json", EXPORT_FIX)
-    problems: list[str] = []
-    _check_decoder(config, "", problems)
-    for key in HEAD_INTS:
-        if not isinstance(config.get(key), int):
-            problems.append(
-                f"config field {key} missing or not an integer: the loader would fall back to a default"
-            )
-    if config.get("mask_token_id") is None:
-        problems.append("mask_token_id missing: the token of the parallel slots is unknown")
-    if config.get("norm_before_residual") is not False:
-        problems.append(
-            "norm_before_residual must be false: the residual is the fused feature before hidden_norm"
-        )
-    _check_layer_ids(config, SGLANG.name, problems)
-    _check_mask_token(config, config.get("vocab_size") or 0, problems)
-    if any(p.startswith("config field") for p in problems):
-        return problems
-    _check_eagle3_tensors(folder, config, SGLANG.name, problems, layer="layers.0.")
-    return problems
-
-
 def verify_causal_lm(folder: Path, engine: str) -> list[str]:
     """Problems a distilled draft folder has for vLLM or SGLang as a draft model: an architecture the engine
     registers, no LoRA adapter beside the weights, then the transformers checks (``drafts/distill.py``)."""

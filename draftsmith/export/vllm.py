@@ -38,9 +38,6 @@ def serve_section(card: CardContext, method: str, k: int, exported: bool = True)
 def usage(card: CardContext) -> list[str]:
     if card.kind.family.name == "causal_lm":
         return serve_section(card, '"method": "draft_model"', card.k, exported=False)
-    if card.config.get("mask_token_id") is not None:  # P-EAGLE: the whole chain in one forward
-        k = card.config.get("parallel_depths") or card.k
-        return serve_section(card, '"method": "eagle3", "parallel_drafting": true', k)
     return serve_section(card, '"method": "eagle3"', card.k)
 
 

@@ -14,7 +14,7 @@ import yaml
 
 from draftsmith.draft_checkpoint import DraftCheckpoint
 from draftsmith.drafts.engines import export_engines
-from draftsmith.export.engines import CARD_K, CardContext, loaded, refusal
+from draftsmith.export.engines import CARD_K, CardContext, refusal, usage_of
 from draftsmith.hub import HUB_ID, KNOWN_TARGETS, hub_id_of_target
 from draftsmith.publish.report import EvalReport
 
@@ -163,8 +163,8 @@ def usage_section(ckpt: DraftCheckpoint, repo_id: str, base_model: str) -> list[
         why = refusal(ckpt.kind, engine)
         if why is not None:
             refused.setdefault(why, []).append(engine.title)
-        elif loaded(engine).usage is not None:
-            lines += engine.usage(card)
+        elif (usage := usage_of(ckpt.kind, engine)) is not None:
+            lines += usage(card)
     for why, titles in refused.items():
         lines += [f"### {', '.join(titles)}", "", f"Not served there: {why}.", ""]
     return lines
