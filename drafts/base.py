@@ -23,7 +23,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from draftsmith import files
 from draftsmith.decode.drafter import Drafter
@@ -155,6 +155,9 @@ class DraftKind:
     """Why it cannot go to the engines ``exports`` leaves out (said as the error)."""
     target_key: str = "target"
     """Where its config.json records the target it was trained for."""
+    read_for: Callable[[Target, str | Path], Any] | None = None
+    """A layout another pipeline wrote: ``(target, folder) -> draftsmith's model of it`` for that target, which
+    export and publish start from (None: draftsmith's own layout, exported as it is)."""
 
     def refusal_by(self, engine: Engine) -> str | None:
         """Why ``engine`` cannot take this kind, by the kind's record or the engine's; None if neither refuses

@@ -142,4 +142,5 @@ def _build(target, path: str) -> Drafter:
 
 
 register(DraftKind(PEER_DFLASH, "DFlash draft from another pipeline", _build, DFLASH_BLOCKS, target_key="target",
-                   exports=(), refusal="export needs the draft read for its target first: pass --target"))  # fmt: skip
+                   exports=(), refusal="export needs the draft read for its target first: pass --target",
+                   read_for=import_dflash))  # fmt: skip

@@ -364,4 +364,5 @@ def _build(target, path: str) -> Drafter:
 
 
 register(DraftKind(PEER_EAGLE3, "EAGLE-3 head from another pipeline", _build, EAGLE, target_key="target",
-                   exports=(), refusal="export needs the head read for its target first: pass --target"))  # fmt: skip
+                   exports=(), refusal="export needs the head read for its target first: pass --target",
+                   read_for=import_head))  # fmt: skip

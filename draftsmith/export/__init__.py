@@ -15,7 +15,7 @@ from pathlib import Path
 
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
-from draftsmith.drafts.base import NONFINITE_FIX, PEER_DFLASH
+from draftsmith.drafts.base import NONFINITE_FIX
 from draftsmith.drafts.engines import Engine
 from draftsmith.export.engines import ExportOptions, engine_of, is_single_file, refuse, writer_of
 from draftsmith.export.verify import ExportVerificationError, verify_export
@@ -48,7 +48,7 @@ def copy_export(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Pat
 
 
 def import_peer_head(ckpt: DraftCheckpoint, target_spec: str | None, workdir: Path) -> DraftCheckpoint:
-    """An EAGLE-3 head or DFlash draft another pipeline wrote (``drafts/eagle_import.py``,
+    """A head or draft another pipeline wrote (a kind with ``read_for``: ``drafts/eagle_import.py``,
     ``drafts/dflash_import.py``), read for the target ``target_spec`` and saved in draftsmith's layout under
     ``workdir``, where every export of it starts from."""
     if not target_spec:
@@ -58,12 +58,7 @@ def import_peer_head(ckpt: DraftCheckpoint, target_spec: str | None, workdir: Pa
         )
     from draftsmith.decode.target import load_target
 
-    if ckpt.kind.name == PEER_DFLASH:
-        from draftsmith.drafts.dflash_import import import_dflash as import_head
-    else:
-        from draftsmith.drafts.eagle_import import import_head
-
-    head = import_head(load_target(target_spec, device="cpu"), ckpt.draft_dir)
+    head = ckpt.kind.read_for(load_target(target_spec, device="cpu"), ckpt.draft_dir)
     out = workdir / ckpt.draft_dir.resolve().name
     head.save_pretrained(out)
     return locate_checkpoint(str(out))

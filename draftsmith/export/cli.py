@@ -10,7 +10,7 @@ from pathlib import Path
 
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
-from draftsmith.drafts.base import PEER_DFLASH, PEER_EAGLE3, draft_kind, kind_names
+from draftsmith.drafts.base import draft_kind, kind_names
 from draftsmith.drafts.engines import export_engines
 from draftsmith.export import check_out, export_checkpoint, import_peer_head
 from draftsmith.export.engines import engine_names, refusal
@@ -44,7 +44,7 @@ def description() -> str:
         takers = [e.name for e in export_engines() if refusal(kind, e) is None]
         if takers:
             lines += _wrapped(f"  {kind.name}", ", ".join(takers))
-        elif kind.name not in (PEER_EAGLE3, PEER_DFLASH):  # said below
+        elif kind.read_for is None:  # another pipeline's layout: said below
             lines += _wrapped(f"  {kind.name}", f"none: {kind.refusal}")
     return "\n".join([*lines, "", OUTRO])
 
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_out(ckpt, args.to)
     check_out(ckpt, args.to, out, args.overwrite)
     try:
-        if ckpt.kind.name in (PEER_EAGLE3, PEER_DFLASH):  # read for its target, exported from there
+        if ckpt.kind.read_for is not None:  # read for its target, exported from there
             with tempfile.TemporaryDirectory() as tmp:
                 imported = import_peer_head(ckpt, args.target, Path(tmp))
                 written = export_checkpoint(imported, args.to, out, args.gguf_dtype, args.target_gguf)

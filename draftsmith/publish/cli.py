@@ -15,7 +15,7 @@ from pathlib import Path
 
 from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
-from draftsmith.drafts.base import PEER_DFLASH, PEER_EAGLE3, check_saved_draft
+from draftsmith.drafts.base import check_saved_draft
 from draftsmith.eval.plots import PLOT_NAME
 from draftsmith.hub import HUB_ID
 from draftsmith.publish.card import base_model_of, license_of, portable, portable_recipe, render_card
@@ -272,7 +272,7 @@ def push_folder(
 def run(args: argparse.Namespace) -> int:
     """Build the folder; list it (--dry-run) or push it."""
     ckpt = locate_checkpoint(args.checkpoint)
-    if ckpt.kind.name in (PEER_EAGLE3, PEER_DFLASH):
+    if ckpt.kind.read_for is not None:  # another pipeline's layout
         raise ValueError(
             f"{ckpt.draft_dir} is a {ckpt.kind.title}, with no record of its target or its "
             "measured numbers; read it into draftsmith's layout first (`draftsmith export DIR --to hf --target "
