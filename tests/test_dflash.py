@@ -272,8 +272,8 @@ def test_dpace_slot_weighting_trains_and_weighs_slots_by_how_far_decoding_reache
 @pytest.mark.parametrize(
     ("options", "match", "needs_target"),
     [
-        ({"block_size": 1}, "block_size 1: a block holds the last token and at least one slot", False),
-        ({"block_size": 65}, "block_size 65", False),
+        ({"block_size": 1}, "block_size must be >= 2, got 1", False),  # the range train --help shows
+        ({"block_size": 65}, "block_size must be <= 64, got 65", False),
         ({"mask_token_id": 259}, "mask_token_id 259 is not a token of the target's vocabulary", True),
         ({"mask_token_id": -1}, "mask_token_id -1", True),
         ({"capture_layer_ids": [2, 0]}, "must be strictly increasing.*write them as \\[0, 2\\]", True),

@@ -206,7 +206,7 @@ def test_proposals_that_hide_the_markov_bias_from_the_verify_rule_fail_the_same_
         ({"markov_rank": 0}, "markov_rank", False),
         ({"markov_rank": 4096}, "markov_rank", False),
         ({"markov_rnk": 8}, "Did you mean 'markov_rank'", False),
-        ({"block_size": 1}, "block_size 1", False),
+        ({"block_size": 1}, "block_size must be >= 2, got 1", False),
         ({"capture_layer_ids": [2, 0]}, "write them as \\[0, 2\\]", True),
     ],
 )

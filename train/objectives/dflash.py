@@ -23,12 +23,12 @@ from typing import Annotated, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic.dataclasses import dataclass
 from torch import nn
 
 from draftsmith.drafts.base import DFLASH
-from draftsmith.drafts.dflash import MAX_BLOCK, DFlashConfig, DFlashDraft, block_inputs, block_size_refusal
+from draftsmith.drafts.dflash import MAX_BLOCK, DFlashConfig, DFlashDraft, block_inputs
 from draftsmith.drafts.eagle_parts import build_vocab_map, packed_segments
 from draftsmith.train.losses import dpace_weights, soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Objective, Teacher
@@ -48,8 +48,9 @@ class DFlashOptions:
 
     num_layers: Annotated[int, Field(ge=1)] = 1
     """Draft decoder layers (Qwen3-style, at the target's hidden size)."""
-    block_size: int = 8
-    """Block size Q: one forward drafts the Q - 1 tokens after the last committed one (the paper: 8 or 16)."""
+    block_size: Annotated[int, Field(ge=2, le=MAX_BLOCK)] = 8
+    """Block size Q: one forward drafts the Q - 1 tokens after the last committed one, so at least 2 (the
+    last token and one slot to draft; the paper: 8 or 16)."""
     capture_layer_ids: list[int] | None = None
     """Target layers read, strictly increasing (the last only if served by vLLM: SGLang and llama.cpp cannot
     capture it); default: EAGLE-3's low / middle / high."""
@@ -73,13 +74,6 @@ class DFlashOptions:
     """Cross-entropy on the target's greedy token instead of its top-k distribution."""
     teacher_topk: Annotated[int, Field(ge=1)] = 64
     """The target's largest logits per position the soft targets are made of."""
-
-    @field_validator("block_size")
-    @classmethod
-    def _block_fits(cls, value: int) -> int:
-        if not 2 <= value <= MAX_BLOCK:
-            raise ValueError(block_size_refusal(value))
-        return value
 
 
 class DFlashObjective(Objective):
