@@ -32,7 +32,7 @@ def run_train(args, overrides: list[str]) -> None:
 
     from draftsmith.decode.target import load_target
     from draftsmith.train.config import load_config
-    from draftsmith.train.distributed import target_device
+    from draftsmith.train.infra.distributed import target_device
 
     start = time.perf_counter()
     tc = load_config(args.recipe, overrides).target

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from tiny import tiny_target
 
+from draftsmith.train.infra.shard_target import is_sharded, local_parameter_count, shard_frozen_target
 from draftsmith.train.objective import Batch
-from draftsmith.train.shard_target import is_sharded, local_parameter_count, shard_frozen_target
 from draftsmith.train.teacher import compute_teacher
 
 LAYERS = (0, 2, 3)  # low, middle and last: the taps EAGLE-3 takes

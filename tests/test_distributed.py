@@ -20,7 +20,7 @@ from test_loop import QUIET, make_config, tiny_target_dir  # noqa: F401 (fixture
 from test_resume import WORKER, final_weights, run_worker, uniform_conversations  # noqa: F401 (fixture)
 
 from draftsmith.train.config import load_config
-from draftsmith.train.distributed import build_strategy, capture_rank, env_rank, planned_rank
+from draftsmith.train.infra.distributed import build_strategy, capture_rank, env_rank, planned_rank
 from draftsmith.train.loop import train
 from draftsmith.train.schema import TrainerConfig
 
@@ -163,7 +163,7 @@ def test_a_short_offline_run_trains_the_same_under_torchrun(
 
 
 # The sharded engines on the same 2 gloo ranks as ddp_run. Lightning refuses both on the CPU (where, in
-# train/distributed.py): ZeRO runs through Lightning's DeepSpeed strategy on DeepSpeed's CPU accelerator, FSDP
+# train/infra/distributed.py): ZeRO runs through Lightning's DeepSpeed strategy on DeepSpeed's CPU accelerator, FSDP
 # as torch's FSDP2 under Lightning's ModelParallelStrategy. Each is one launch of 4 steps, then a resume.
 SHARDED = ("deepspeed_stage_1", "deepspeed_stage_2", "fsdp")
 LIKE_DDP = dict(rel=1e-5, abs=1e-6)
@@ -229,7 +229,7 @@ def test_sharded_checkpoint_resumes(sharded_run, tiny_target_dir, uniform_conver
 
 
 def test_deepspeed_without_deepspeed_names_the_extra(monkeypatch):
-    import draftsmith.train.distributed as distributed
+    import draftsmith.train.infra.distributed as distributed
 
     monkeypatch.setattr(distributed, "deepspeed_available", lambda: False)
     for preset in ("deepspeed_zero2", "deepspeed_zero3"):
@@ -240,7 +240,7 @@ def test_deepspeed_without_deepspeed_names_the_extra(monkeypatch):
 
 
 def test_cli_reports_missing_deepspeed(monkeypatch, capsys):
-    import draftsmith.train.distributed as distributed
+    import draftsmith.train.infra.distributed as distributed
     from draftsmith.cli import main
 
     monkeypatch.setattr(distributed, "deepspeed_available", lambda: False)
@@ -325,7 +325,7 @@ def test_devices_that_are_no_count_are_named(monkeypatch):
 
 def test_large_target_options_load_bf16_frozen_in_place(tiny_target_dir):  # noqa: F811
     from draftsmith.decode.target import load_target
-    from draftsmith.train.distributed import target_device
+    from draftsmith.train.infra.distributed import target_device
 
     target = load_target(str(tiny_target_dir), device="cpu", dtype="bfloat16", device_map="device")
     params = list(target.model.parameters())
@@ -338,7 +338,7 @@ def test_large_target_options_load_bf16_frozen_in_place(tiny_target_dir):  # noq
 def test_activation_checkpointing_is_applied_or_refused():
     from tiny import tiny_model
 
-    from draftsmith.train.distributed import enable_activation_checkpointing
+    from draftsmith.train.infra.distributed import enable_activation_checkpointing
 
     draft = tiny_model("llama", layers=2).train()
     enable_activation_checkpointing(draft, "distill")

@@ -12,18 +12,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 from safetensors.torch import load_file
 from test_loop import LinearHead, conversations, tiny_target_dir  # noqa: F401 (fixtures)
 from test_resume import RUN, WORKER, final_weights, run_worker, uniform_conversations  # noqa: F401
 
 from draftsmith import files
 from draftsmith.cli import main
-from draftsmith.train.checkpoint import last_checkpoint
-from draftsmith.train.faults import LOCK_NAME, FolderInUseError, OutputLock
+from draftsmith.train.infra.checkpoint import last_checkpoint
+from draftsmith.train.infra.faults import LOCK_NAME, FolderInUseError, OutputLock
 from draftsmith.train.registry import register_objective
+from draftsmith.train.schema import SECTION
 
 
 def start_paused(folder: Path, step: int | str, *args) -> tuple[subprocess.Popen, Path]:
@@ -158,7 +161,7 @@ def test_a_second_job_in_the_same_folder_is_refused_naming_the_first(
 def test_the_lock_dies_with_its_process_and_a_failed_start_leaves_nothing(tmp_path):
     folder = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from draftsmith.train.faults import OutputLock\n"
+        [sys.executable, "-c", "import sys, time; from draftsmith.train.infra.faults import OutputLock\n"
          f"with OutputLock({str(folder)!r}):\n    print('locked', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -301,7 +304,17 @@ class PoisonedHead(LinearHead):
         return out
 
 
-register_objective("test-poisoned")(
+@pydantic_dataclass(config=SECTION)
+class PoisonedOptions:
+    """``draft.options`` of ``test-poisoned``."""
+
+    what: Literal["loss", "grad", "weight"] = "loss"
+    """What turns non-finite."""
+    at: int = 3
+    """At which optimizer step."""
+
+
+register_objective("test-poisoned", options=PoisonedOptions)(
     lambda target, options, counts: PoisonedHead(target, token_counts=counts, **options)
 )
 

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import save_file
 
 from draftsmith import files
-from draftsmith.train.checkpoint import export_draft
+from draftsmith.train.infra.checkpoint import export_draft
 
 
 def mode(path) -> int:
@@ -291,7 +291,7 @@ def test_a_folder_is_on_disk_before_its_rename_and_the_rename_after(tmp_path, mo
 def test_a_deepspeed_checkpoint_folder_is_on_disk_before_rank_zero_renames_it(tmp_path, monkeypatch):
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    from draftsmith.train import distributed
+    from draftsmith.train.infra import distributed
 
     def save(self, checkpoint, path, storage_options=None):  # what DeepSpeed writes: a folder of shards
         (Path(path) / "checkpoint").mkdir(parents=True)

@@ -16,7 +16,7 @@ from draftsmith import files
 from draftsmith.train.config import load_config
 from draftsmith.train.corpus.conversations import load_conversations
 from draftsmith.train.corpus.tokens import render
-from draftsmith.train.preflight import flatten
+from draftsmith.train.infra.preflight import flatten
 from draftsmith.train.schema import to_dict
 
 CLI_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError,

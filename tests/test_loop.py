@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 from safetensors.torch import load_file, save_file
 from tiny import tiny_model, tiny_tokenizer
 from torch import nn
@@ -20,6 +21,7 @@ from draftsmith.train.module import acceptance_summary, lr_factor
 from draftsmith.train.objective import Batch, Objective, Teacher, decoding_walk
 from draftsmith.train.objectives.distill import chain_run_lengths
 from draftsmith.train.registry import register_objective
+from draftsmith.train.schema import SECTION
 
 
 class LinearHead(Objective):
@@ -62,7 +64,12 @@ class LinearHead(Objective):
         save_file(draft.state_dict(), str(directory / "model.safetensors"))
 
 
-register_objective("test-linear")(
+@pydantic_dataclass(config=SECTION)
+class NoOptions:
+    """``draft.options`` of a test head: none."""
+
+
+register_objective("test-linear", options=NoOptions)(
     lambda target, options, counts: LinearHead(target, token_counts=counts, **options)
 )
 
@@ -307,7 +314,7 @@ def test_eagle3_continues_from_a_saved_head(tiny_target_dir, conversations, tmp_
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     from draftsmith.files import replace_dir
-    from draftsmith.train.checkpoint import AtomicCheckpointIO, last_checkpoint
+    from draftsmith.train.infra.checkpoint import AtomicCheckpointIO, last_checkpoint
 
     path = tmp_path / "checkpoints" / "last.ckpt"
     AtomicCheckpointIO().save_checkpoint({"global_step": 1}, path)

@@ -12,7 +12,7 @@ from tiny import tiny_model, tiny_tokenizer
 
 from draftsmith import loading as target_mod
 from draftsmith.loading import bf16_is_fast, load_causal_lm, resolve_dtype
-from draftsmith.train.distributed import resolve_auto_precision
+from draftsmith.train.infra.distributed import resolve_auto_precision
 from draftsmith.train.loop import train
 
 

@@ -14,7 +14,7 @@ import torch
 import train_worker  # noqa: F401 (registers test-noisy)
 from test_loop import QUIET, make_config, tiny_target_dir  # noqa: F401 (fixture)
 
-from draftsmith.train.checkpoint import last_checkpoint
+from draftsmith.train.infra.checkpoint import last_checkpoint
 from draftsmith.train.loop import train
 from draftsmith.train.sampler import ResumableSampler
 
@@ -183,7 +183,7 @@ def test_checkpoints_leave_out_the_frozen_target_weights_and_refuse_another_targ
 def test_a_fingerprint_reads_inside_a_tensor_of_any_size():
     """28,311,552 elements (SmolLM2's 49,152 x 576 embedding): a float32 linspace put its last pick one past
     the end."""
-    from draftsmith.train.checkpoint import fingerprint, same_fingerprint
+    from draftsmith.train.infra.checkpoint import fingerprint, same_fingerprint
 
     embedding = torch.arange(49152 * 576, dtype=torch.bfloat16).view(49152, 576)
     print_ = fingerprint(embedding)
@@ -224,7 +224,7 @@ def test_keep_checkpoints_keeps_the_last_n_step_checkpoints_beside_last(
 def test_a_checkpoint_is_fsynced_before_its_rename_and_its_folder_after(monkeypatch, tmp_path):
     import os
 
-    from draftsmith.train.checkpoint import AtomicCheckpointIO
+    from draftsmith.train.infra.checkpoint import AtomicCheckpointIO
 
     events = []
     fsync, replace = os.fsync, os.replace

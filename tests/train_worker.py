@@ -24,7 +24,7 @@ import time
 import lightning as L
 import numpy as np
 import torch
-from test_loop import LinearHead, make_config
+from test_loop import LinearHead, NoOptions, make_config
 from torch import nn
 
 from draftsmith.train.loop import train
@@ -44,7 +44,7 @@ class NoisyHead(LinearHead):
         return out
 
 
-register_objective("test-noisy")(
+register_objective("test-noisy", options=NoOptions)(
     lambda target, options, counts: NoisyHead(target, token_counts=counts, **options)
 )
 

@@ -3,8 +3,8 @@ feature cache, the objective, the ``DraftModule`` (``train/module.py``), the Tra
 validation and export.
 
 ``--resume`` continues from the last checkpoint exactly where the run stopped: weights, optimizer,
-scheduler, data position and RNG states (``train/sampler.py``, ``train/resume.py``). Strategies (DDP,
-FSDP, DeepSpeed) come from the config through ``train/distributed.py``; nothing here depends on how
+scheduler, data position and RNG states (``train/sampler.py``, ``train/infra/resume.py``). Strategies (DDP,
+FSDP, DeepSpeed) come from the config through ``train/infra/distributed.py``; nothing here depends on how
 many processes run it.
 """
 
@@ -28,7 +28,12 @@ from torch.utils.data import DataLoader
 
 from draftsmith import files
 from draftsmith.decode.target import Target, load_target, load_target_skeleton
-from draftsmith.train.checkpoint import (
+from draftsmith.train.corpus.dataset_cache import cached_dataset
+from draftsmith.train.corpus.dataset_cache import default_root as default_dataset_root
+from draftsmith.train.corpus.tokens import build_dataset, collate, count_tokens, pad_id_of, split_heldout
+from draftsmith.train.feature_cache import build_feature_cache, feature_cache_complete
+from draftsmith.train.feature_dataset import FeatureCache, collate_cached
+from draftsmith.train.infra.checkpoint import (
     CHECKPOINT_DIR,
     DRAFT_DIR,
     LAST,
@@ -39,10 +44,7 @@ from draftsmith.train.checkpoint import (
     remove_partial_checkpoints,
     resume_point,
 )
-from draftsmith.train.corpus.dataset_cache import cached_dataset
-from draftsmith.train.corpus.dataset_cache import default_root as default_dataset_root
-from draftsmith.train.corpus.tokens import build_dataset, collate, count_tokens, pad_id_of, split_heldout
-from draftsmith.train.distributed import (
+from draftsmith.train.infra.distributed import (
     build_strategy,
     capture_rank,
     check_strategy,
@@ -51,7 +53,7 @@ from draftsmith.train.distributed import (
     resolve_auto_precision,
     target_device,
 )
-from draftsmith.train.faults import (
+from draftsmith.train.infra.faults import (
     FiniteGuard,
     NonFiniteError,
     OutputLock,
@@ -63,17 +65,15 @@ from draftsmith.train.faults import (
     stop_on_signals,
     stopped_line,
 )
-from draftsmith.train.feature_cache import build_feature_cache, feature_cache_complete
-from draftsmith.train.feature_dataset import FeatureCache, collate_cached
-from draftsmith.train.loggers import build_loggers, where
+from draftsmith.train.infra.loggers import build_loggers, where
+from draftsmith.train.infra.preflight import preflight, record_recipe_change
+from draftsmith.train.infra.progress import StepProgress
+from draftsmith.train.infra.resume import ExactResume
+from draftsmith.train.infra.shard_target import check_shard_target
 from draftsmith.train.module import DraftModule
-from draftsmith.train.preflight import preflight, record_recipe_change
-from draftsmith.train.progress import StepProgress
 from draftsmith.train.registry import build_objective
-from draftsmith.train.resume import ExactResume
 from draftsmith.train.sampler import EvalSampler, ResumableDataLoader, ResumableSampler
 from draftsmith.train.schema import TrainConfig, to_dict
-from draftsmith.train.shard_target import check_shard_target
 
 TOKEN_COUNTS = "token_counts.safetensors"
 
@@ -247,7 +247,7 @@ def train(
     Everything that can be checked without the target is checked first (``preflight``), so a bad recipe
     fails in a second and leaves nothing behind. ``overwrite`` replaces a finished draft in the output
     folder; ``force_resume`` resumes although the recipe changed in a way that can break exact resume.
-    The output folder is locked for the run (``train/faults.py``); SIGTERM, SIGUSR1 and SIGINT save a
+    The output folder is locked for the run (``train/infra/faults.py``); SIGTERM, SIGUSR1 and SIGINT save a
     checkpoint at the next step and stop with 128 + the signal, printing ``resume_command`` (default:
     ``draftsmith train <output.dir>/config.yaml --resume``); outside the training steps they stop at once.
     A stop or a full disk before the first checkpoint prints ``rerun_command`` instead (default:

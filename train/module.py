@@ -23,8 +23,14 @@ from draftsmith import files
 from draftsmith.decode.features import final_norm
 from draftsmith.decode.target import Target
 from draftsmith.eval.stats import AcceptanceStats
-from draftsmith.train.checkpoint import DRAFT_DIR, TRAIN_STATE, drop_frozen, export_draft, restore_frozen
-from draftsmith.train.distributed import shard_draft, whole_draft
+from draftsmith.train.infra.checkpoint import (
+    DRAFT_DIR,
+    TRAIN_STATE,
+    drop_frozen,
+    export_draft,
+    restore_frozen,
+)
+from draftsmith.train.infra.distributed import shard_draft, whole_draft
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.optimizers import build_optimizer
 from draftsmith.train.schema import TrainConfig, to_dict
@@ -101,7 +107,7 @@ class DraftModule(L.LightningModule):
             self.target.model.get_output_embeddings().to(self.device)
         if self.target is None or self.config.mode != "online":
             return
-        if self.config.target.shard:  # each rank keeps 1/N of the target (train/shard_target.py)
+        if self.config.target.shard:  # each rank keeps 1/N of the target (train/infra/shard_target.py)
             self._shard_target()
             return
         placed = set(getattr(self.target.model, "hf_device_map", {}).values())
@@ -111,7 +117,7 @@ class DraftModule(L.LightningModule):
     on_validation_start = on_fit_start
 
     def _shard_target(self) -> None:
-        from draftsmith.train.shard_target import is_sharded, local_parameter_count, shard_frozen_target
+        from draftsmith.train.infra.shard_target import is_sharded, local_parameter_count, shard_frozen_target
 
         if is_sharded(self.target.model):
             return
@@ -191,7 +197,7 @@ class DraftModule(L.LightningModule):
             self.objective, self.draft if draft is None else draft, self.output_dir / DRAFT_DIR, extra
         )
 
-    # ---- checkpoints: without the frozen copies of the target's weights (train/checkpoint.py)
+    # ---- checkpoints: without the frozen copies of the target's weights (train/infra/checkpoint.py)
 
     def _frozen(self) -> dict[str, torch.Tensor]:
         return {f"draft.{name}": p for name, p in self.draft.named_parameters() if not p.requires_grad}

@@ -2,7 +2,7 @@
 
 ``ResumableSampler`` gives every rank the same number of whole batches per epoch, in an order fixed
 by ``(seed, epoch)`` alone, and keeps its position (epoch and rows consumed) as a ``state_dict``
-that goes into the checkpoint (``train/resume.py``). The position is advanced by the training loop
+that goes into the checkpoint (``train/infra/resume.py``). The position is advanced by the training loop
 for every micro-batch it trains on (``advance``), never by iteration, so a prefetching DataLoader
 cannot push it past what was trained; the sampler moves to the next epoch itself when the last
 batch of one is taken (it has no ``set_epoch``: Lightning's epoch counter restarts at a new epoch

@@ -240,7 +240,7 @@ class TrainConfig:
 STRATEGIES = ("auto", "ddp", "ddp_find_unused_parameters_true", "ddp_spawn", "fsdp", "fsdp_cpu_offload",
               "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload", "deepspeed_stage_3",
               "deepspeed_stage_3_offload")  # fmt: skip
-"""``trainer.strategy``: Lightning's names (``train/distributed.py`` builds them); a str, for the did-you-mean."""
+"""``trainer.strategy``: Lightning's names (``train/infra/distributed.py`` builds them); a str, for the did-you-mean."""
 
 
 def validate(config: TrainConfig) -> None:

@@ -79,7 +79,7 @@ def train_from_cache(config, cache: Path, work: Path, callbacks: list) -> tuple[
     """(steps, last validation) of ``config`` trained offline on the bench's cache (module docstring)."""
     from draftsmith.decode.target import load_target_skeleton
     from draftsmith.train.corpus.tokens import pad_id_of
-    from draftsmith.train.distributed import resolve_auto_precision
+    from draftsmith.train.infra.distributed import resolve_auto_precision
     from draftsmith.train.loop import make_loaders, make_trainer
     from draftsmith.train.module import DraftModule
     from draftsmith.train.registry import build_objective

@@ -14,8 +14,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from draftsmith import files
 from draftsmith.sources import check_source
-from draftsmith.train.checkpoint import CHECKPOINT_DIR, DRAFT_DIR, LAST, TRAIN_STATE, resume_point
-from draftsmith.train.loggers import check_loggers
+from draftsmith.train.infra.checkpoint import CHECKPOINT_DIR, DRAFT_DIR, LAST, TRAIN_STATE, resume_point
+from draftsmith.train.infra.loggers import check_loggers
 from draftsmith.train.registry import check_objective_options
 from draftsmith.train.schema import TrainConfig, to_dict
 

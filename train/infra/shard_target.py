@@ -1,6 +1,6 @@
 """The frozen target sharded across the ranks of a node (``target.shard: true``, online mode).
 
-Applied from outside the model, like the strategies in ``train/distributed.py``: PyTorch FSDP2's
+Applied from outside the model, like the strategies in ``train/infra/distributed.py``: PyTorch FSDP2's
 ``fully_shard`` on every decoder layer, then on the root (embeddings, final norm, LM head). Each rank
 keeps 1/world of every weight; a layer's full weights are all-gathered just before its forward and
 freed right after (``reshard_after_forward``), so a rank holds its shard plus about one layer at a time.

@@ -36,7 +36,7 @@ import lightning as L
 import torch
 
 from draftsmith.files import DiskFullError, out_of_space
-from draftsmith.train.checkpoint import DRAFT_DIR, resume_point
+from draftsmith.train.infra.checkpoint import DRAFT_DIR, resume_point
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 LOCK_NAME = ".draftsmith.lock"
