@@ -244,7 +244,7 @@ def _check(args: argparse.Namespace) -> list[str] | None:
         )
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    mirror_stats.check_options(args)
+    mirror_stats.check_options(args.mirror_kappa, args.mirror_gamma, args.channel_latency_ms)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be 0 or more prompts, got {args.warmup}")
     if not args.drafts and not args.server:
@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         check_draft_files(spec)  # a cut-short copy fails here, not after the target has loaded
     target = load_target(args.target, device=args.device, dtype=args.dtype, chat_template=args.chat_template)
     drafts = [(spec, build_drafter(spec, target)) for spec in args.drafts]
-    mirrors = mirror_stats.settings_from_options([d for _, d in drafts], args)
+    mirrors = mirror_stats.settings_from_options([d for _, d in drafts], args.mirror_kappa, args.mirror_gamma)
     methods = [Method(spec, d, mirror=m) for (spec, d), m in zip(drafts, mirrors)]
     if args.draft_weights == "int8":
         why = int8_unavailable(target.device)

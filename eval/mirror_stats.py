@@ -147,29 +147,32 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_options(args: argparse.Namespace) -> None:
-    """What can be checked of the options before any model loads."""
-    for flag, value in (("--mirror-kappa", args.mirror_kappa), ("--mirror-gamma", args.mirror_gamma)):
+def check_options(kappa: int | None, gamma: int | None, channel_latency_ms: float) -> None:
+    """What can be checked of the options (``--mirror-kappa``, ``--mirror-gamma``, ``--channel-latency-ms``)
+    before any model loads."""
+    for flag, value in (("--mirror-kappa", kappa), ("--mirror-gamma", gamma)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, got {value}")
-    if args.channel_latency_ms < 0:
-        raise ValueError(f"--channel-latency-ms must be 0 or more, got {args.channel_latency_ms}")
+    if channel_latency_ms < 0:
+        raise ValueError(f"--channel-latency-ms must be 0 or more, got {channel_latency_ms}")
 
 
-def settings_from_options(drafters: list[Drafter], args: argparse.Namespace) -> list[MirrorSettings | None]:
-    """Per drafter, the settings a mirror draft decodes with (its own, κ and γ as the options say);
-    None for the others."""
+def settings_from_options(
+    drafters: list[Drafter], kappa: int | None, gamma: int | None
+) -> list[MirrorSettings | None]:
+    """Per drafter, the settings a mirror draft decodes with (its own, with ``kappa`` and ``gamma`` where
+    given); None for the others."""
     settings = [
         replace(
             d.mirror,
-            kappa=d.mirror.kappa if args.mirror_kappa is None else args.mirror_kappa,
-            gamma=d.mirror.gamma if args.mirror_gamma is None else args.mirror_gamma,
+            kappa=d.mirror.kappa if kappa is None else kappa,
+            gamma=d.mirror.gamma if gamma is None else gamma,
         )
         if isinstance(d, GridDrafter)
         else None
         for d in drafters
     ]
-    if (args.mirror_kappa is not None or args.mirror_gamma is not None) and not any(settings):
+    if (kappa is not None or gamma is not None) and not any(settings):
         raise ValueError(
             "--mirror-kappa / --mirror-gamma set mirror decoding, but no --draft is a mirror draft (draft.kind: mirror)"
         )

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from draftsmith.loading import resolve_device, resolve_dtype, resolve_model_path, target_tokenizer
 from draftsmith.openai_client import CompletionServer, RequestRefused, ServerError, check_server
 from draftsmith.train.corpus.prompts import read_done, source_conversations, take_shard
 from draftsmith.train.corpus.regenerate import Dialogue, RegenerateStats
@@ -195,68 +194,3 @@ def target_gguf(spec: str) -> Path:
         f"--engine llamacpp serves a GGUF, and --target {spec} is not one: pass the target as a .gguf file "
         "(llama.cpp's convert_hf_to_gguf.py makes one), or serve it yourself (vLLM, SGLang) and pass --server URL"
     )
-
-
-def run_served(args, engine: str, shard: tuple[int, int] | None) -> tuple[RegenerateStats, str]:
-    """``draftsmith data regenerate`` with ``--server`` URLs or ``--engine llamacpp``: (stats, target name)."""
-    import os
-    import shlex
-    import sys
-    from contextlib import nullcontext
-
-    from draftsmith import files
-
-    files.check_writable(Path(args.out).parent, f"--out {args.out}: the folder")
-    argv = getattr(args, "argv", None)
-    resume = "rerun " + shlex.join(["draftsmith", *argv]) if argv else "run the same command again"
-    if engine == "llamacpp":
-        from draftsmith import llamacpp
-
-        gguf = target_gguf(args.target)
-        llamacpp.tool("llama-server")  # the install command, before the target's tokenizer loads
-    elif engine == "vllm":
-        from draftsmith import vllm
-
-        vllm_version = vllm.version()  # the install command, before the target's tokenizer loads
-    tokenizer, config, name = target_tokenizer(args.target, args.chat_template)
-    context = min(getattr(config, "max_position_embeddings", None) or SLOT_CONTEXT, SLOT_CONTEXT)
-    if engine == "vllm":
-        weights = resolve_model_path(args.target)[0]
-        dtype = str(resolve_dtype(args.dtype, resolve_device(args.device))).removeprefix(
-            "torch."
-        )  # auto: bf16 where it is fast
-        print(
-            f"vLLM {vllm_version}: {weights}, {args.batch_size} sequences of {context} tokens",
-            file=sys.stderr,
-        )
-        log = Path(args.out).with_name(Path(args.out).name + ".vllm.log")
-        running = vllm.Server(weights, args=["--max-num-seqs", str(args.batch_size)], log=log,
-                              max_model_len=context, dtype=dtype)  # fmt: skip
-        generator = {"engine": "vLLM", "weights": str(weights), "vllm": vllm_version,
-                     "dtype": dtype}  # fmt: skip
-    elif engine == "llamacpp":
-        slots, threads = args.batch_size, os.cpu_count() or 1
-        print(
-            f"llama-server: {gguf.name}, {slots} slots of {context} tokens, {threads} threads",
-            file=sys.stderr,
-        )
-        running = llamacpp.Server(gguf, ["-np", str(slots), "-c", str(slots * context)], threads=threads)
-        generator = {
-            "engine": "llama.cpp",
-            "weights": gguf.name,
-            "llama_cpp": f"llama-cpp-python {llamacpp.LLAMACPP_PY_VERSION} sdist",
-        }
-    else:
-        running, generator = nullcontext(), {"engine": "server"}
-    with running as server:
-        urls = [server.url] if engine in ("llamacpp", "vllm") else args.server
-        servers = [CompletionServer(url) for url in urls]
-        stats = regenerate_served(
-            tokenizer, args.data, args.out, servers, config.vocab_size,
-            max_new_tokens=args.max_new_tokens, in_flight=args.batch_size, temperature=args.temperature,
-            limit=args.limit, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, shard=shard,
-            generator=generator, resume_hint=resume,
-            max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
-            reasoning=args.reasoning, system=args.system, template_args=args.template_args,
-        )  # fmt: skip
-    return stats, name
