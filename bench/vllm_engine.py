@@ -43,7 +43,7 @@ from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.draft_checkpoint import locate_checkpoint
 from draftsmith.drafts import build_drafter
-from draftsmith.drafts.base import DFLASH, EAGLE3, LAYERS, MEDUSA, NGRAM, PEAGLE, PEER_DFLASH, PEER_EAGLE3
+from draftsmith.drafts.base import DFLASH, EAGLE3, LAYERS, MEDUSA, NGRAM, PEAGLE
 from draftsmith.eval.harness import Method, evaluate
 from draftsmith.eval.prompts import load_prompts
 from draftsmith.eval.served_acceptance import judge_server
@@ -122,15 +122,15 @@ def settings(args, target_dir: str, work: Path) -> list[Setting]:
     drafts += [(f"{PEAGLE}:{n}", r) for n, r in named(args.peagle)]
     for name, run in drafts:
         ckpt = locate_checkpoint(run)
-        own = ckpt.draft_dir if ckpt.kind.name in (PEER_EAGLE3, PEER_DFLASH) else None
+        own = ckpt.draft_dir if ckpt.kind.read_for is not None else None
         if own is not None:  # a peer pipeline's draft: read for the target first
             ckpt = import_peer_head(ckpt, target_dir, work / f"{name.replace(':', '-')}-read")
         out = served_folder(ckpt, own, work / f"{name.replace(':', '-')}-vllm")
-        method = {"eagle": "eagle3", "medusa": "medusa", "causal_lm": "draft_model", "dflash": "dflash"}[
-            ckpt.kind.family.name
-        ]
+        method = {"eagle": "eagle3", "peagle": "eagle3", "medusa": "medusa", "causal_lm": "draft_model",
+                  "dflash": "dflash", "dspark": "dspark"}[ckpt.kind.family.name]  # fmt: skip
         k = min(args.k, int(ckpt.config.get("num_heads", args.k))) if method == "medusa" else args.k
-        k = int(ckpt.config["block_size"]) - 1 if method == "dflash" else k  # vLLM drafts whole blocks
+        blocks = method in ("dflash", "dspark")
+        k = int(ckpt.config["block_size"]) - 1 if blocks else k  # vLLM drafts whole blocks
         config = {"method": method, "model": str(out.resolve()), "num_speculative_tokens": k}
         if out == own:
             print(f"vLLM {name}: served from its pipeline's own export {own}", flush=True)
@@ -216,16 +216,18 @@ def print_table(ds: dict, vl: dict) -> None:
     print(f"\n{'draft':<22} {'k':>2} {'τ draftsmith*':>13} {'τ vLLM':>7} {'Δ':>7}  {'by position: draftsmith':<30} "
           f"{'vLLM':<30} {'= alone':>7} {'draft ms':>8} {'ds ×':>5} {'bound':>5} {'τ even':>6} "
           f"{'tok/s b1':>8} {'× b1':>5} {'× b16':>5}")  # fmt: skip
-    for name, v in vl.items():
-        d, b1, b16 = ds.get(name, {}), v["batch_1"], v[f"batch_{BATCH}"]
+    for name in vl or ds:  # without vLLM (--no-vllm): draftsmith's rows, vLLM's columns empty
+        v, d = vl.get(name, {}), ds.get(name, {})
+        b1, b16 = v.get("batch_1", {}), v.get(f"batch_{BATCH}", {})
         # vLLM's mean acceptance length counts steps that drafted: draftsmith's τ over the same kind of step
         tau_d, tau_v = (1.0, 1.0) if name == "alone" else (d.get("tau_drafting"), b1.get("tau"))
         delta = None if tau_d is None or tau_v is None else tau_v - tau_d
-        print(f"{name:<22} {v['k']:>2} {f(tau_d):>13} {f(tau_v):>7} {f(delta, '+.3f'):>7}  "
-              f"{rates(d.get('per_position')):<30} {rates(b1.get('per_position')):<30} {str(v['exact_match']):>7} "
+        print(f"{name:<22} {v.get('k', d.get('k', 0)):>2} {f(tau_d):>13} {f(tau_v):>7} {f(delta, '+.3f'):>7}  "
+              f"{rates(d.get('per_position')):<30} {rates(b1.get('per_position')):<30} "
+              f"{str(v.get('exact_match', d.get('exact_match'))):>7} "
               f"{f(d.get('draft_ms_per_step'), '.1f'):>8} {f(d.get('speedup'), '.2f'):>5} "
               f"{f(d.get('speedup_bound'), '.2f'):>5} {f(d.get('tau_to_break_even'), '.2f'):>6} "
-              f"{f(b1['tokens_per_s'], '.1f'):>8} {f(b1['speedup'], '.2f'):>5} {f(b16['speedup'], '.2f'):>5}")  # fmt: skip
+              f"{f(b1.get('tokens_per_s'), '.1f'):>8} {f(b1.get('speedup'), '.2f'):>5} {f(b16.get('speedup'), '.2f'):>5}")  # fmt: skip
 
 
 def main() -> None:
@@ -234,7 +236,7 @@ def main() -> None:
     p.add_argument("--medusa", help="Medusa heads: run or draft directory")
     p.add_argument("--small", help="distilled small draft: run or draft directory")
     p.add_argument(
-        "--dflash", nargs="+", metavar="[NAME=]DIR", help="DFlash drafts (k = their block size - 1)"
+        "--dflash", nargs="+", metavar="[NAME=]DIR", help="DFlash or DSpark drafts (k = their block size - 1)"
     )
     p.add_argument(
         "--peagle", nargs="+", metavar="[NAME=]DIR", help="P-EAGLE heads (k = their parallel_depths)"
@@ -251,8 +253,12 @@ def main() -> None:
     p.add_argument("--kv-cache-gib", type=int, default=4, help="vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--work", default="runs/vllm", help="folder for the exports and the server logs")
     p.add_argument("--out", default="bench/results/vllm_engine.json")
+    p.add_argument(
+        "--no-vllm", action="store_true",
+        help="draftsmith's decoder alone (the dev judge of drafts vLLM's CPU build cannot serve, e.g. DSpark)",
+    )  # fmt: skip
     args = p.parse_args()
-    version = vllm.version()  # one line naming the install command when there is no vLLM
+    version = None if args.no_vllm else vllm.version()  # names the install command when there is no vLLM
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     target_dir = resolve_model_path(TARGET)[0]
@@ -260,9 +266,9 @@ def main() -> None:
                for q in load_prompts(args.prompts, args.limit, None, args.order)]  # fmt: skip
     found = settings(args, target_dir, work)
     ds_rows, ds_outputs, target = run_draftsmith(args, prompts, found)
-    vl_rows = run_vllm(args, prompts, target_dir, found, work)
+    vl_rows = {} if args.no_vllm else run_vllm(args, prompts, target_dir, found, work)
     print_table(ds_rows, vl_rows)
-    same = sum(a == b for a, b in zip(vl_rows["alone"]["outputs"], ds_outputs))
+    same = sum(a == b for a, b in zip(vl_rows["alone"]["outputs"], ds_outputs)) if vl_rows else 0
     print(
         "* τ over the verify steps that drafted, as vLLM counts its mean acceptance length (eval/stats tau_drafting)"
     )
@@ -270,10 +276,13 @@ def main() -> None:
         "draft ms: draftsmith's drafting per verify step; ds ×: its speedup over the target alone, bound: what its "
         "acceptance and costs allow, τ even: the tokens a step must commit to break even at its costs"
     )
-    print(f"vLLM target alone vs draftsmith float32 target alone: {same}/{len(prompts)} outputs identical")
+    if vl_rows:
+        print(
+            f"vLLM target alone vs draftsmith float32 target alone: {same}/{len(prompts)} outputs identical"
+        )
     settings_record = vars(args) | {"num_prompts": len(prompts), "greedy": True, "vllm": version}
     write_json(args.out, bench_record(target, settings_record, draftsmith=ds_rows, vllm=vl_rows,
-                                      vllm_alone_equals_draftsmith_alone=f"{same}/{len(prompts)}"))  # fmt: skip
+                                      vllm_alone_equals_draftsmith_alone=f"{same}/{len(prompts)}" if vl_rows else None))  # fmt: skip
 
 
 if __name__ == "__main__":
