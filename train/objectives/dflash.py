@@ -44,7 +44,8 @@ VALIDATION_ANCHORS = 128
 
 @dataclass(config=SECTION)
 class DFlashOptions:
-    """``draft.options`` of ``dflash`` (the constructor's arguments of ``DFlashObjective``)."""
+    """``draft.options`` of ``dflash``: the one declaration of each (default, range, help), which
+    ``DFlashObjective`` receives whole."""
 
     num_layers: Annotated[int, Field(ge=1)] = 1
     """Draft decoder layers (Qwen3-style, at the target's hidden size)."""
@@ -82,33 +83,16 @@ class DFlashObjective(Objective):
     kind = DFLASH
 
     def __init__(
-        self,
-        target,
-        num_layers: int = 1,
-        block_size: int = 8,
-        capture_layer_ids: list[int] | None = None,
-        mask_token_id: int | None = None,
-        anchors_per_row: int = 64,
-        gamma: float | None = None,
-        slot_weighting: str = "decay",
-        dpace_alpha: float = 0.5,
-        hard_labels: bool = False,
-        teacher_topk: int = 64,
-        draft_vocab_size: int | None = None,
-        token_counts: torch.Tensor | None = None,
+        self, target, options: DFlashOptions | None = None, token_counts: torch.Tensor | None = None
     ):
-        """``num_layers`` draft decoder layers; ``block_size`` Q (the block drafts Q - 1 tokens per forward);
-        ``capture_layer_ids`` the target layers read (strictly increasing; default EAGLE-3's low / middle /
-        high); ``mask_token_id`` the token embedded at the slots to draft (default: the tokenizer's mask,
-        unknown or padding token); ``anchors_per_row`` blocks trained per row and step; ``gamma`` the
-        position-weight decay (default 4 / 5 / 7 for blocks of 8 / 10 / 16, else Q / 2); ``slot_weighting``
-        and ``dpace_alpha``: ``DFlashOptions``; ``hard_labels``
-        CE on the target's greedy token instead of its top-k distribution; ``draft_vocab_size`` below the
-        target's: the draft scores only the training data's most frequent tokens, with a head of its own
-        started from the target's rows (on a CPU the LM head is most of a block's cost)."""
+        """``options``: the kind's ``draft.options``, checked and filled in by its class (``DFlashOptions``:
+        each option's default, range and meaning, as ``train --help`` shows them); ``token_counts``: the
+        training data's token counts over the target's vocabulary (a reduced draft vocabulary needs them)."""
+        o = DFlashOptions() if options is None else options
+        self.options = o
         self.target = target
         self.config = DFlashConfig.for_target(
-            target, num_layers, block_size, capture_layer_ids, mask_token_id, draft_vocab_size
+            target, o.num_layers, o.block_size, o.capture_layer_ids, o.mask_token_id, o.draft_vocab_size
         )
         V, Vd = self.config.vocab_size, self.config.draft_vocab_size
         d2t, t2d = torch.arange(V), torch.ones(V, dtype=torch.bool)
@@ -123,24 +107,13 @@ class DFlashObjective(Objective):
         self.d2t = d2t
         self.draft_index = torch.where(t2d, t2d.long().cumsum(0) - 1, -1)  # target id -> draft id, -1 outside
         self.capture_layers = tuple(self.config.capture_layer_ids)
-        if anchors_per_row < 1:
-            raise ValueError(f"draft.options.anchors_per_row must be >= 1, got {anchors_per_row}")
-        self.anchors_per_row = int(anchors_per_row)
-        gamma = (
-            DEFAULT_GAMMA.get(self.config.block_size, self.config.block_size / 2) if gamma is None else gamma
-        )
-        if gamma <= 0:
-            raise ValueError(f"draft.options.gamma must be > 0, got {gamma}")
-        self.slot_weights = [math.exp(-i / gamma) for i in range(self.config.block_size - 1)]
-        if slot_weighting not in ("decay", "dpace"):
-            raise ValueError(f"draft.options.slot_weighting must be decay or dpace, got {slot_weighting!r}")
-        if not 0.0 < dpace_alpha <= 1.0:
-            raise ValueError(f"draft.options.dpace_alpha must be in (0, 1], got {dpace_alpha}")
-        self.slot_weighting, self.dpace_alpha = slot_weighting, float(dpace_alpha)
-        self.hard_labels = bool(hard_labels)
-        self.teacher_topk = 1 if self.hard_labels else int(teacher_topk)
-        if self.teacher_topk < 1:
-            raise ValueError(f"draft.options.teacher_topk must be >= 1, got {teacher_topk}")
+        self.anchors_per_row = o.anchors_per_row
+        block = self.config.block_size
+        gamma = DEFAULT_GAMMA.get(block, block / 2) if o.gamma is None else o.gamma
+        self.slot_weights = [math.exp(-i / gamma) for i in range(block - 1)]
+        self.slot_weighting, self.dpace_alpha = o.slot_weighting, o.dpace_alpha
+        self.hard_labels = o.hard_labels
+        self.teacher_topk = 1 if self.hard_labels else o.teacher_topk
         model = target.model
         self.embed_weight = model.get_input_embeddings().weight  # the target's, shared: never copied
         self.lm_head = model.get_output_embeddings()
@@ -291,4 +264,4 @@ class DFlashObjective(Objective):
 
 @register_objective(DFLASH, options=DFlashOptions)
 def _build(target, options: dict, token_counts=None) -> DFlashObjective:
-    return DFlashObjective(target, token_counts=token_counts, **options)
+    return DFlashObjective(target, DFlashOptions(**options), token_counts)

@@ -39,10 +39,13 @@ class DSparkObjective(DFlashObjective):
 
     kind = DSPARK
 
-    def __init__(self, target, markov_rank: int = 32, **options):
-        """``markov_rank``: the Markov head's rank; the rest: ``DFlashObjective``'s arguments."""
-        super().__init__(target, **options)
-        self.config = DSparkConfig.from_dict({**self.config.to_dict(), "markov_rank": markov_rank})
+    def __init__(
+        self, target, options: DSparkOptions | None = None, token_counts: torch.Tensor | None = None
+    ):
+        """``options``: ``DSparkOptions`` (DFlash's and the Markov head's rank); see ``DFlashObjective``."""
+        options = DSparkOptions() if options is None else options
+        super().__init__(target, options, token_counts)
+        self.config = DSparkConfig.from_dict({**self.config.to_dict(), "markov_rank": options.markov_rank})
         self.walking = False  # True inside chain_lengths: the previous tokens are the target's greedy ones
 
     def build_draft(self) -> DSparkDraft:
@@ -75,4 +78,4 @@ class DSparkObjective(DFlashObjective):
 
 @register_objective(DSPARK, options=DSparkOptions)
 def _build(target, options: dict, token_counts=None) -> DSparkObjective:
-    return DSparkObjective(target, token_counts=token_counts, **options)
+    return DSparkObjective(target, DSparkOptions(**options), token_counts)

@@ -36,7 +36,7 @@ from draftsmith.train.schema import SECTION
 
 @dataclass(config=SECTION)
 class MedusaOptions:
-    """``draft.options`` of ``medusa`` (the constructor's arguments of ``MedusaObjective``)."""
+    """``draft.options`` of ``medusa``: the one declaration of each option, which ``MedusaObjective`` receives."""
 
     num_heads: Annotated[int, Field(ge=1)] = 4
     """Heads: head i drafts the token i + 1 places ahead, so at most num_heads tokens per step."""
@@ -57,26 +57,18 @@ class MedusaObjective(Objective):
 
     kind = MEDUSA
 
-    def __init__(
-        self,
-        target,
-        num_heads: int = 4,
-        num_layers: int = 1,
-        shared_lm_head: bool = False,
-        hard_labels: bool = False,
-        teacher_topk: int = 64,
-        head_decay: float = 0.8,
-    ):
-        """``hard_labels``: CE on the data's tokens instead of the teacher's top-k (which then only
-        needs the target's greedy token, for the accuracy logs and the simulated acceptance)."""
+    def __init__(self, target, options: MedusaOptions | None = None):
+        """``options``: the kind's ``draft.options`` (``MedusaOptions``, checked and filled in). With
+        ``hard_labels`` the teacher's top-k is only needed for its greedy token (the accuracy logs and the
+        simulated acceptance)."""
+        o = MedusaOptions() if options is None else options
+        self.options = o
         self.target = target
-        self.config = MedusaConfig.for_target(target, num_heads, num_layers, shared_lm_head)
+        self.config = MedusaConfig.for_target(target, o.num_heads, o.num_layers, o.shared_lm_head)
         self.capture_layers = tuple(self.config.capture_layer_ids)
-        self.hard_labels = bool(hard_labels)
-        self.teacher_topk = 1 if self.hard_labels else int(teacher_topk)
-        if self.teacher_topk < 1:
-            raise ValueError(f"teacher_topk must be >= 1, got {teacher_topk}")
-        self.head_weights = [head_decay**i for i in range(num_heads)]
+        self.hard_labels = o.hard_labels
+        self.teacher_topk = 1 if self.hard_labels else o.teacher_topk
+        self.head_weights = [o.head_decay**i for i in range(o.num_heads)]
 
     def build_draft(self) -> MedusaHeads:
         heads = MedusaHeads(copy.deepcopy(self.config))
@@ -128,4 +120,4 @@ class MedusaObjective(Objective):
 
 @register_objective(MEDUSA, options=MedusaOptions)
 def _build(target, options: dict, token_counts=None) -> MedusaObjective:
-    return MedusaObjective(target, **options)
+    return MedusaObjective(target, MedusaOptions(**options))

@@ -41,7 +41,7 @@ VALIDATION_ANCHORS = 128
 
 @dataclass(config=SECTION)
 class PEagleOptions:
-    """``draft.options`` of ``peagle`` (the constructor's arguments of ``PEagleObjective``)."""
+    """``draft.options`` of ``peagle``: the one declaration of each option, which ``PEagleObjective`` receives."""
 
     parallel_depths: Annotated[int, Field(ge=2, le=32)] = 8
     """Tokens one forward drafts: the real pair's and parallel_depths - 1 slots' (the peers' default, 8)."""
@@ -67,29 +67,22 @@ class PEagleObjective(EagleObjective):
     """A P-EAGLE head and its one-forward loss; see the module docstring."""
 
     def __init__(
-        self,
-        target,
-        parallel_depths: int = 8,
-        num_layers: int = 1,
-        capture_layer_ids: list[int] | None = None,
-        draft_vocab_size: int | None = None,
-        mask_token_id: int | None = None,
-        depth_ratio: float = 0.7,
-        depth_ratio_min: float = 0.2,
-        anchors_per_row: int | None = None,
-        teacher_topk: int = 64,
-        token_counts: torch.Tensor | None = None,
+        self, target, options: PEagleOptions | None = None, token_counts: torch.Tensor | None = None
     ):
-        super().__init__(target, num_layers=num_layers, capture_layer_ids=capture_layer_ids,
-                         draft_vocab_size=draft_vocab_size, ttt_steps=1, token_counts=token_counts,
-                         teacher_topk=teacher_topk)  # fmt: skip
+        """``options``: the kind's ``draft.options`` (``PEagleOptions``, checked and filled in); the head is
+        an EAGLE-3 head with one training-time step."""
+        o = PEagleOptions() if options is None else options
+        super().__init__(target, num_layers=o.num_layers, capture_layer_ids=o.capture_layer_ids,
+                         draft_vocab_size=o.draft_vocab_size, ttt_steps=1, token_counts=token_counts,
+                         teacher_topk=o.teacher_topk)  # fmt: skip
+        self.options = o
         vocab = self.config.vocab_size
-        mask = default_mask_token(target.tokenizer, vocab) if mask_token_id is None else mask_token_id
+        mask = default_mask_token(target.tokenizer, vocab) if o.mask_token_id is None else o.mask_token_id
         self.config.mask_token_id = check_mask_token(mask, vocab)
-        self.config.parallel_depths = int(parallel_depths)
+        self.config.parallel_depths = o.parallel_depths
         setattr(self.config, DRAFT_KIND_KEY, PEAGLE)
-        self.depth_shares = [max(depth_ratio**d, depth_ratio_min) for d in range(1, parallel_depths)]
-        self.anchors_per_row = anchors_per_row
+        self.depth_shares = [max(o.depth_ratio**d, o.depth_ratio_min) for d in range(1, o.parallel_depths)]
+        self.anchors_per_row = o.anchors_per_row
 
     def sample_slots(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(anchors, depths, keep) [B, S]: the depth-sampled slots of each row (module docstring); rows with
@@ -192,4 +185,4 @@ class PEagleObjective(EagleObjective):
 
 @register_objective(PEAGLE, options=PEagleOptions)
 def _build(target, options: dict, token_counts=None) -> PEagleObjective:
-    return PEagleObjective(target, token_counts=token_counts, **options)
+    return PEagleObjective(target, PEagleOptions(**options), token_counts)
