@@ -14,7 +14,7 @@ from tiny import tiny_target
 from draftsmith.drafts.eagle_parts import packed_segments
 from draftsmith.train.objective import Batch
 from draftsmith.train.objectives.common import step_valid_masks
-from draftsmith.train.objectives.eagle import EagleObjective
+from draftsmith.train.objectives.eagle import Eagle3Options, EagleObjective
 from draftsmith.train.teacher import compute_teacher
 
 LENGTHS = (9, 7)
@@ -67,7 +67,7 @@ def test_teacher_does_not_attend_across_packed_conversations(arch):
 
 def test_eagle_unroll_and_masks_match_unpacked_rows():
     target = tiny_target("llama", layers=6)
-    objective = EagleObjective(target, preset="eagle3", draft_vocab_size=target.vocab_size, ttt_steps=3)
+    objective = EagleObjective(target, Eagle3Options(draft_vocab_size=target.vocab_size, ttt_steps=3))
     head = objective.build_draft().eval()
     convs = conversations()
     batch = packed_batch(convs)

@@ -20,6 +20,7 @@ in-vocabulary mass in the top-k is left out of the loss.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -60,7 +61,8 @@ DEFAULT_TTT_STEPS = {EAGLE1: 1, EAGLE3: 3}
 
 @dataclass(config=SECTION)
 class EagleOptions:
-    """``draft.options`` of ``eagle1`` and ``eagle3`` (the constructor's arguments of ``EagleObjective``)."""
+    """``draft.options`` of ``eagle1`` (and the first of ``eagle3``'s): the one declaration of each option,
+    which ``EagleObjective`` receives whole."""
 
     num_layers: Annotated[int, Field(ge=1)] | None = None
     """Decoder layers in the head (null = 1, or the continued head's with init_from)."""
@@ -188,44 +190,31 @@ class EagleObjective(Objective):
     def __init__(
         self,
         target,
-        preset: str = EAGLE3,
-        num_layers: int | None = None,
-        capture_layer_ids: list[int] | None = None,
-        draft_vocab_size: int | None = None,
-        ttt_steps: int | None = None,
-        step_decay: float = 0.8,
+        options: EagleOptions | None = None,
         token_counts: torch.Tensor | None = None,
-        teacher_topk: int = 64,
-        feature_weight: float = 1.0,
-        token_weight: float = 0.1,
-        init_from: str | None = None,
-        freeze_lm_head: bool = False,
-        feature_noise: float = 0.0,
-        step_weighting: str = "decay",
-        dpace_alpha: float = 0.5,
-        loss: str = "kl",
-        norm_before_fc: bool = False,
-        norm_output: bool = False,
-        norm_before_residual: bool = False,
+        preset: str = EAGLE3,
     ):
-        """``feature_weight`` / ``token_weight`` weigh EAGLE-1's smooth-L1 and CE terms (EAGLE-1's 1.0 / 0.1).
-        ``freeze_lm_head``: the LM head is not trained (``EagleOptions.freeze_lm_head``); ``feature_noise``,
-        ``step_weighting``, ``dpace_alpha``, ``loss``, ``norm_before_fc``, ``norm_output``, ``norm_before_residual``: ``EagleOptions`` / ``Eagle3Options``.
-
-        ``init_from``: a head directory saved by ``draftsmith train`` to continue from (fine-tuning, e.g.
-        on the target's own regenerated answers). Its shape, capture layers and draft vocabulary are
-        kept; setting num_layers, capture_layer_ids or draft_vocab_size to other values is an error.
-        Defaults when training from scratch: num_layers 1, draft_vocab_size 32000.
+        """``options``: the kind's ``draft.options``, checked and filled in by its class (``EagleOptions`` for
+        EAGLE-1, ``Eagle3Options`` for EAGLE-3: each option's default, range and meaning, as ``train --help``
+        shows them); EAGLE-1's options are EAGLE-3's less the EAGLE-3-only ones, which keep their defaults.
+        ``token_counts``: the training data's token counts over the target's vocabulary (a reduced draft
+        vocabulary is built from them). With ``init_from``, the continued head's shape, capture layers and
+        draft vocabulary are kept; asking for others is an error. From scratch: 1 layer, 32,000 draft tokens.
         """
         if preset not in DEFAULT_TTT_STEPS:
             raise ValueError(f"unknown EAGLE preset {preset!r}; choose one of {', '.join(DEFAULT_TTT_STEPS)}")
-        steps = DEFAULT_TTT_STEPS[preset] if ttt_steps is None else int(ttt_steps)
-        if steps < 1:
-            raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
-        if num_layers is not None and num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1 (decoder layers in the head), got {num_layers}")
-        variants = {"norm_before_fc": norm_before_fc, "norm_output": norm_output,
-                    "norm_before_residual": norm_before_residual}  # fmt: skip
+        o = Eagle3Options() if options is None else options
+        if not isinstance(o, Eagle3Options):  # EAGLE-1's: the EAGLE-3-only options at their defaults
+            o = Eagle3Options(**dataclasses.asdict(o))
+        self.options = o
+        steps = DEFAULT_TTT_STEPS[preset] if o.ttt_steps is None else o.ttt_steps
+        num_layers, capture_layer_ids, draft_vocab_size = (
+            o.num_layers,
+            o.capture_layer_ids,
+            o.draft_vocab_size,
+        )
+        init_from = o.init_from
+        variants = {key: getattr(o, key) for key in ("norm_before_fc", "norm_output", "norm_before_residual")}
         if preset != EAGLE3 and any(variants.values()):
             raise ValueError(
                 f"{', '.join(k for k, v in variants.items() if v)}: EAGLE-3 head variants; {preset} has none"
@@ -255,18 +244,13 @@ class EagleObjective(Objective):
             )
             for key, asked in variants.items():
                 setattr(self.config, key, bool(asked))
-        self.feature_noise = float(feature_noise)
+        self.feature_noise = o.feature_noise
         self.capture_layers = tuple(self.config.capture_layer_ids)
-        self.teacher_topk = int(teacher_topk)
-        self.step_weights = [step_decay**j for j in range(steps)]
-        self.step_weighting, self.dpace_alpha, self.loss_name = step_weighting, float(dpace_alpha), loss
-        if preset == EAGLE1 and (step_weighting != "decay" or loss != "kl"):
-            raise ValueError(
-                f"draft.options step_weighting {step_weighting!r} / loss {loss!r}: EAGLE-1 trains with a feature "
-                "regression beside its token loss; these options are EAGLE-3's (draft.kind: eagle3)"
-            )
-        self.feature_weight, self.token_weight = feature_weight, token_weight
-        self.freeze_lm_head = bool(freeze_lm_head)
+        self.teacher_topk = o.teacher_topk
+        self.step_weights = [o.step_decay**j for j in range(steps)]
+        self.step_weighting, self.dpace_alpha, self.loss_name = o.step_weighting, o.dpace_alpha, o.loss
+        self.feature_weight, self.token_weight = o.feature_weight, o.token_weight
+        self.freeze_lm_head = o.freeze_lm_head
         self.vocab_map = None
         reduced = preset == EAGLE3 and self.config.draft_vocab_size < self.config.vocab_size
         if reduced and self.init_head is None:  # a loaded head brings its own vocabulary map
@@ -425,15 +409,17 @@ class EagleObjective(Objective):
 class Eagle1Objective(EagleObjective):
     """EAGLE-1: last-layer feature regression (smooth-L1) + soft CE over the full vocabulary."""
 
-    def __init__(self, target, **options):
-        super().__init__(target, preset=EAGLE1, **options)
+    def __init__(self, target, options: EagleOptions | None = None, token_counts: torch.Tensor | None = None):
+        super().__init__(target, options, token_counts, preset=EAGLE1)
 
 
 class Eagle3Objective(EagleObjective):
     """EAGLE-3: fused low/mid/high features, reduced draft vocabulary, TTT unroll with decaying weights."""
 
-    def __init__(self, target, **options):
-        super().__init__(target, preset=EAGLE3, **options)
+    def __init__(
+        self, target, options: Eagle3Options | None = None, token_counts: torch.Tensor | None = None
+    ):
+        super().__init__(target, options, token_counts, preset=EAGLE3)
 
 
 def default_exit_layer(num_layers: int) -> int:
@@ -450,24 +436,32 @@ class MirrorObjective(EagleObjective):
     """
 
     def __init__(
-        self, target, early_exit_layer: int | None = None, kappa: int = 4, gamma: int = 4, **options
+        self, target, options: MirrorOptions | None = None, token_counts: torch.Tensor | None = None
     ):
+        o = MirrorOptions() if options is None else options
         n_layers = len(decoder_layers(target.model))
-        layer = default_exit_layer(n_layers) if early_exit_layer is None else int(early_exit_layer)
+        layer = default_exit_layer(n_layers) if o.early_exit_layer is None else o.early_exit_layer
         if not -n_layers <= layer < n_layers:
             raise ValueError(
                 f"draft.options.early_exit_layer {layer} is outside the target's {n_layers} decoder layers "
                 f"(valid: 0..{n_layers - 1})"
             )
         (layer,) = resolve_layer_ids(target.model, [layer])
-        settings = MirrorSettings(layer, int(kappa), int(gamma))
-        capture = options.pop("capture_layer_ids", None)
+        settings = MirrorSettings(layer, o.kappa, o.gamma)
+        capture = o.capture_layer_ids
         if capture is not None and resolve_layer_ids(target.model, list(capture)) != [layer]:
             raise ValueError(
                 f"draft.options.capture_layer_ids {capture}: a mirror draft reads its early-exit layer alone; "
                 f"drop capture_layer_ids and set early_exit_layer ({layer})"
             )
-        super().__init__(target, preset=EAGLE3, capture_layer_ids=[layer], **options)
+        eagle3 = {
+            key: value
+            for key, value in dataclasses.asdict(o).items()
+            if key not in ("early_exit_layer", "kappa", "gamma")
+        }
+        super().__init__(
+            target, Eagle3Options(**{**eagle3, "capture_layer_ids": [layer]}), token_counts, preset=EAGLE3
+        )
         if (
             self.init_head is not None
             and (self.init_head.config.mirror or {}).get("early_exit_layer") != layer
@@ -482,14 +476,14 @@ class MirrorObjective(EagleObjective):
 
 @register_objective(EAGLE1, options=EagleOptions)
 def _build_eagle1(target, options: dict, token_counts=None) -> Eagle1Objective:
-    return Eagle1Objective(target, token_counts=token_counts, **options)
+    return Eagle1Objective(target, EagleOptions(**options), token_counts)
 
 
 @register_objective(EAGLE3, options=Eagle3Options)
 def _build_eagle3(target, options: dict, token_counts=None) -> Eagle3Objective:
-    return Eagle3Objective(target, token_counts=token_counts, **options)
+    return Eagle3Objective(target, Eagle3Options(**options), token_counts)
 
 
 @register_objective(MIRROR, options=MirrorOptions)
 def _build_mirror(target, options: dict, token_counts=None) -> MirrorObjective:
-    return MirrorObjective(target, token_counts=token_counts, **options)
+    return MirrorObjective(target, MirrorOptions(**options), token_counts)

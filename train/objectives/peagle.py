@@ -31,7 +31,7 @@ from draftsmith.train.objectives.common import (
     step_valid_masks,
     teacher_greedy,
 )
-from draftsmith.train.objectives.eagle import EagleObjective, _unwrap
+from draftsmith.train.objectives.eagle import Eagle3Options, EagleObjective, _unwrap
 from draftsmith.train.registry import register_objective
 from draftsmith.train.schema import SECTION
 
@@ -72,9 +72,9 @@ class PEagleObjective(EagleObjective):
         """``options``: the kind's ``draft.options`` (``PEagleOptions``, checked and filled in); the head is
         an EAGLE-3 head with one training-time step."""
         o = PEagleOptions() if options is None else options
-        super().__init__(target, num_layers=o.num_layers, capture_layer_ids=o.capture_layer_ids,
-                         draft_vocab_size=o.draft_vocab_size, ttt_steps=1, token_counts=token_counts,
-                         teacher_topk=o.teacher_topk)  # fmt: skip
+        head = Eagle3Options(num_layers=o.num_layers, capture_layer_ids=o.capture_layer_ids,
+                             draft_vocab_size=o.draft_vocab_size, ttt_steps=1, teacher_topk=o.teacher_topk)  # fmt: skip
+        super().__init__(target, head, token_counts)
         self.options = o
         vocab = self.config.vocab_size
         mask = default_mask_token(target.tokenizer, vocab) if o.mask_token_id is None else o.mask_token_id
