@@ -98,7 +98,7 @@ def main() -> None:
                             "k", "tau", "per_position", "draft_ms_per_step", "speedup", "speedup_bound",
                             "tau_to_break_even", "exact_match")}})  # fmt: skip
         held = f"{mean:.3f} ± {sd:.3f}" if sd is not None else f"{mean:.3f}"
-        by_pos = " ".join(f"{x:.2f}" for x in (row or {}).get("per_position", [])[:5])
+        by_pos = " ".join("-" if x is None else f"{x:.2f}" for x in (row or {}).get("per_position", [])[:5])
         print(f"{draft:<20} {len(mine):>5} {held:>15}  {(row or {}).get('tau', float('nan')):>6.3f} {by_pos:<28} "
               f"{(row or {}).get('draft_ms_per_step', float('nan')):>8.1f} {(row or {}).get('speedup', float('nan')):>5.2f} "
               f"{(row or {}).get('speedup_bound') or float('nan'):>5.2f}")  # fmt: skip
