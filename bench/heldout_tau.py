@@ -11,7 +11,8 @@ one, and its accepted length recorded. Two averages are printed:
 
 Held-out rows come from an offline EAGLE run's feature cache (``--cache RUN/feature_cache/heldout``;
 heads must capture the layers it holds) or from a run's recipe (``--recipe RUN/config.yaml``: the
-same held-out split as training, the teacher computed by a target forward; EAGLE and distill drafts).
+same held-out split as training, the teacher computed by a target forward; EAGLE and distill drafts, and
+DFlash / DSpark drafts of any recipe, walked block by block as DFlash's validation walks them).
 
 With ``--decode N`` (``--cache`` only), the first N single-turn held-out conversations are also
 decoded for real (``decode.speculative.generate`` with the head as drafter and packed CPU kernels, as
@@ -45,7 +46,7 @@ from tqdm.auto import tqdm
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
-from draftsmith.drafts.base import DISTILL, EAGLE1, EAGLE3
+from draftsmith.drafts.base import DFLASH, DISTILL, DSPARK, EAGLE1, EAGLE3, PEER_DFLASH, kind_of_checkpoint
 from draftsmith.eval.report import hardware_description
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.train.config import load_config
@@ -102,6 +103,34 @@ def objective_for(kind: str, options: dict, path: str, target, scratch: Path | N
     if kind == DISTILL:
         return build_objective(kind, target, {**options, "init": "pretrained", "path": path})
     raise SystemExit(f"draft kind {kind!r}: this bench measures {EAGLE1}, {EAGLE3} and {DISTILL} drafts")
+
+
+BLOCK_KINDS = (DFLASH, DSPARK, PEER_DFLASH)
+"""Kinds judged by DFlash's own walk (a block per chain start, its first k slots as the chain)."""
+
+
+def block_objective(kind: str, path: str, target):
+    """(objective, draft) for a block draft at ``path`` of ``kind`` (draftsmith's DFlash or DSpark, or a peer's
+    DFlash read as ``draftsmith eval`` reads it): the objective built to the draft's own shape (layers, block,
+    taps, mask token, vocabulary map), so its ``chain_lengths`` walks the draft exactly as training's validation
+    walks draftsmith's own."""
+    from draftsmith.drafts.dflash import DFlashDraft, load_draft
+    from draftsmith.drafts.dflash_import import import_dflash
+    from draftsmith.drafts.dspark import DSparkDraft
+
+    if kind == PEER_DFLASH:
+        draft, kind = import_dflash(target, path), DFLASH
+    else:
+        draft = load_draft(target, path, DSparkDraft if kind == DSPARK else DFlashDraft, f"{kind} draft")
+    c = draft.config
+    options = {"num_layers": c.num_hidden_layers, "block_size": c.block_size,
+               "capture_layer_ids": list(c.capture_layer_ids), "mask_token_id": c.mask_token_id}  # fmt: skip
+    if kind == DSPARK:
+        options["markov_rank"] = c.markov_rank
+    objective = build_objective(kind, target, options)  # the target's vocabulary: no token counts needed
+    if draft.has_own_head:  # its head's rows and their target ids are the draft's, not recounted here
+        objective.d2t = draft.d2t.cpu()
+    return objective, draft.float().eval()
 
 
 def own_head(path: str, target, scratch: Path | None) -> str:
@@ -189,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument(
         "--recipe",
         help="a run's resolved config (RUN/config.yaml): its held-out split, the teacher computed online; "
-        "for EAGLE and distill drafts",
+        "for EAGLE and distill drafts, and any DFlash or DSpark draft (draftsmith's or a peer's)",
     )
     parser.add_argument("--draft", required=True, nargs="+", help="saved draft folders (RUN/draft)")
     parser.add_argument("--k", type=int, default=5, help="chain length (default: 5)")
@@ -222,11 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     scratch = tempfile.TemporaryDirectory(prefix="heldout-tau-")
     for path in args.draft:
-        if not args.recipe:
-            kind = json.loads((Path(path) / "config.json").read_text()).get("preset", EAGLE3)
-            options = {}
-        objective = objective_for(kind, options, path, target, Path(scratch.name))
-        draft = objective.build_draft().eval()
+        head_kind = kind_of_checkpoint(path).name if (Path(path) / "config.json").is_file() else None
+        if head_kind in BLOCK_KINDS:  # judged by its own kind, whatever the recipe trained
+            objective, draft = block_objective(head_kind, path, target)
+        else:
+            if not args.recipe:
+                kind = json.loads((Path(path) / "config.json").read_text()).get("preset", EAGLE3)
+                options = {}
+            objective = objective_for(kind, options, path, target, Path(scratch.name))
+            draft = objective.build_draft().eval()
         if args.recipe:
             batches = recipe_batches(heldout, target, objective, args.batch_size, pad_id)
         else:

@@ -18,7 +18,7 @@ schedule, batching). DFlash is trained by SpecForge, speculators and draftsmith 
   train    each peer in its own venv (bench/peers/*.py, which say where they depart from the peer's
            own pipeline), then ``draftsmith train quickstart``, one at a time under the machine-wide
            bench lock; wall and CPU seconds, peak RSS, per-step timestamps, held-out metrics, the head
-  judge    (EAGLE-3) each head's τ on the quickstart's held-out rows by ``bench/heldout_tau.py``, right after
+  judge    each head's τ on the quickstart's held-out rows by ``bench/heldout_tau.py``, right after
            it trains: the one judge a sweep chooses each pipeline's setting by (never dev)
   eval     one ``draftsmith eval`` run per k (5, auto) over every head (peer heads are read by
            drafts/eagle_import.py), greedy, dev prompts in round-robin order
@@ -127,11 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         ablations = dict(parse_ablation(a) for a in args.ablation) | dict(
             parse_setting(s) for s in args.setting
         )
-        judge = "judge" in args.stages and budget.get("draft", "eagle3") == "eagle3"
+        judge = "judge" in args.stages
         stage_train(
             work, args.runs, budget, record.setdefault("train", {}), save, ablations, args.rerun, judge
         )
-    if "judge" in args.stages and budget.get("draft", "eagle3") == "eagle3":
+    if "judge" in args.stages:
         judge_missing(work, record.get("train", {}), save)
     for run in record.get("train", {}).values():  # rates from the marks, also for runs kept from before
         if "wall_s" in run:

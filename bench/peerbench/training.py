@@ -117,7 +117,7 @@ def judge_heldout(work: Path, run: str, head: str) -> dict:
 
 
 def judge_missing(work: Path, results: dict, save=None) -> None:
-    """Judge every finished EAGLE-3 run whose record has no held-out judgement yet (runs kept from before)."""
+    """Judge every finished run (any draft kind) whose record has no held-out judgement yet (runs kept from before)."""
     for run, record in results.items():
         if finished(record) and "tau" not in (record.get("judge") or {}):
             record["judge"] = judge_heldout(work, run, record["head"])
