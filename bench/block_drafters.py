@@ -38,23 +38,23 @@ import yaml
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 VOCAB = 8192
-DRAFTS = {
+DRAFTS = {  # the first runs pin the 64 anchors DFlash defaulted to when they ran (now every anchor: 512)
     "eagle3": None,  # the quickstart's own draft section
     "dflash-L1-b8": {
         "kind": "dflash",
-        "options": {"num_layers": 1, "block_size": 8, "draft_vocab_size": VOCAB},
+        "options": {"num_layers": 1, "block_size": 8, "draft_vocab_size": VOCAB, "anchors_per_row": 64},
     },
     "dflash-L2-b8": {
         "kind": "dflash",
-        "options": {"num_layers": 2, "block_size": 8, "draft_vocab_size": VOCAB},
+        "options": {"num_layers": 2, "block_size": 8, "draft_vocab_size": VOCAB, "anchors_per_row": 64},
     },
     "dflash-L1-b16": {
         "kind": "dflash",
-        "options": {"num_layers": 1, "block_size": 16, "draft_vocab_size": VOCAB},
+        "options": {"num_layers": 1, "block_size": 16, "draft_vocab_size": VOCAB, "anchors_per_row": 64},
     },
     "dflash-L2-b16": {
         "kind": "dflash",
-        "options": {"num_layers": 2, "block_size": 16, "draft_vocab_size": VOCAB},
+        "options": {"num_layers": 2, "block_size": 16, "draft_vocab_size": VOCAB, "anchors_per_row": 64},
     },
     "peagle": {"kind": "peagle", "options": {"parallel_depths": 8, "draft_vocab_size": VOCAB}},
     # the DFlash recipe's ablations (issue "Block drafters that hold their own"), one change each on dflash-L1-b8
@@ -64,15 +64,27 @@ DRAFTS = {
     },
     "dflash-L1-b8-dpace": {  # D-PACE slot weights instead of the fixed decay (speculators' and ModelOpt's default)
         "kind": "dflash",
-        "options": {"num_layers": 1, "block_size": 8, "draft_vocab_size": VOCAB, "slot_weighting": "dpace"},
+        "options": {
+            "num_layers": 1,
+            "block_size": 8,
+            "draft_vocab_size": VOCAB,
+            "slot_weighting": "dpace",
+            "anchors_per_row": 64,
+        },
     },
     "dflash-L3-b8": {  # 3 layers (the peers use 5)
         "kind": "dflash",
-        "options": {"num_layers": 3, "block_size": 8, "draft_vocab_size": VOCAB},
+        "options": {"num_layers": 3, "block_size": 8, "draft_vocab_size": VOCAB, "anchors_per_row": 64},
     },
     "dspark-L1-b8": {  # dflash-L1-b8 plus DSpark's Markov head (rank 32); vLLM's CPU build cannot serve it
         "kind": "dspark",
-        "options": {"num_layers": 1, "block_size": 8, "draft_vocab_size": VOCAB, "markov_rank": 32},
+        "options": {
+            "num_layers": 1,
+            "block_size": 8,
+            "draft_vocab_size": VOCAB,
+            "markov_rank": 32,
+            "anchors_per_row": 64,
+        },
     },
     "dspark-L1-b8-a512": {  # the two one-change keepers together: DSpark's Markov head on every anchor
         "kind": "dspark",
