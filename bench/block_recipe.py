@@ -8,12 +8,17 @@ held-out τ (mean ± sd over seeds) beside dev τ, acceptance by position, draft
 bound, and writes JSON with a ``summary`` list of ``{"pipeline", "kind", "setting", "tokens",
 "heldout_tau": [...], "mean", "sd", "dev_tau"}``.
 
-Held-out τ is the runs' final validation (the decoding walk on the quickstart's 16 held-out conversations,
-k = the recipe's ``trainer.val_k`` 5 for every draft, so a block drafter's later slots are not counted there;
-the dev run drafts whole blocks); every run here is the quickstart recipe with its draft section replaced
-(``bench/block_drafters.py``), so the same 409,600 training positions.
+Held-out τ is the held-out judge's (``--judge``: ``bench/heldout_tau.py --recipe quickstart`` over the heads,
+the decoding walk on the quickstart's held-out conversations with the float32 target, k 5 for every draft, so a
+block drafter's later slots are not counted there; the dev run drafts whole blocks), else a run's final
+validation (the same walk on its bf16 target). Every draftsmith run here is the quickstart recipe with its draft
+section replaced (``bench/block_drafters.py``), so the same 409,600 training positions; the peers' DFlash
+(``--peers``: ``bench/peer_training.py --draft dflash``) train on the same rows and are judged alike.
 
-    python bench/block_recipe.py --records runs/blocks/out/*.json bench/results/dflash_ablation_400k.json \\
+    python bench/heldout_tau.py --recipe quickstart --draft runs/blocks/*/draft --out bench/results/block_heldout.json
+    python bench/block_recipe.py --records bench/results/block_seeds_400k/*.json \\
+        bench/results/dflash_ablation_400k.json bench/results/dspark_400k.json \\
+        --judge bench/results/block_heldout.json --peers bench/results/peer_dflash_400k.json \\
         --dev bench/results/block_recipe_dev.json --out bench/results/block_recipe.json
 """
 
@@ -52,6 +57,46 @@ def runs_of(records: list[Path]) -> dict[str, dict]:
     return runs
 
 
+def judged(runs: dict[str, dict], reports: list[Path]) -> None:
+    """Replace each run's held-out τ (its training's last validation, on the bf16 target) by the held-out judge's
+    (``bench/heldout_tau.py --recipe quickstart``: the same rows and walk on the float32 target, the judge the
+    peers' heads get), keeping the validation's as ``val_tau``; a head is its run folder's ``draft/``."""
+    for path in reports:
+        for head, result in json.loads(path.read_text())["drafts"].items():
+            run = runs.get(Path(head).parent.name if Path(head).name == "draft" else Path(head).name)
+            if run is None:
+                continue
+            walk = result["walk"]
+            run["val_tau"] = run["state"]["tau"]
+            run["state"] = {
+                "tau": walk["tau"],
+                **{f"acc_pos_{i + 1}": a for i, a in enumerate(walk["per_position"])},
+            }
+            run["judge"] = str(path)
+
+
+def peer_runs(records: list[Path]) -> dict[str, dict]:
+    """Run name -> its record, from ``bench/peer_training.py --draft dflash`` JSON (each run judged on the same
+    held-out rows by ``bench/heldout_tau.py`` right after it trained); a run ``NAME-seedN`` is NAME's seed N."""
+    runs: dict[str, dict] = {}
+    for path in records:
+        data = json.loads(path.read_text())
+        if (data.get("budget") or {}).get("draft") != "dflash":
+            raise SystemExit(f"{path}: not a DFlash record of bench/peer_training.py (--draft dflash)")
+        for name, record in data.get("train", {}).items():
+            judge = record.get("judge") or {}
+            if record.get("returncode") != 0 or "tau" not in judge:
+                continue  # not trained to the end, or not judged
+            m = SEED.match(name)
+            runs[name] = {"draft": f"{m['draft'] if m else name} (DFlash)", "seed": int(m["seed"]) if m else 0,
+                          "state": {"tau": judge["tau"], **{f"acc_pos_{i + 1}": a
+                                                            for i, a in enumerate(judge["per_position"])}},
+                          "wall_s": record.get("wall_s"), "record": str(path),
+                          "commit": (record.get("provenance") or data["provenance"]).get("commit"),
+                          "machine": data["provenance"].get("machine")}  # fmt: skip
+    return runs
+
+
 def spread(values: list[float]) -> tuple[float | None, float | None]:
     return (
         statistics.fmean(values) if values else None,
@@ -75,10 +120,17 @@ def main() -> None:
     p.add_argument(
         "--records", nargs="+", type=Path, required=True, help="bench/block_drafters.py's JSON files"
     )
+    p.add_argument("--peers", nargs="*", type=Path, default=[],
+                   help="bench/peer_training.py --draft dflash's JSON files (the peers' DFlash, judged alike)")  # fmt: skip
+    p.add_argument("--judge", nargs="*", type=Path, default=[],
+                   help="bench/heldout_tau.py --recipe quickstart's JSON of the runs' heads: their held-out τ "
+                   "by the judge the peers get (else their training's last validation)")  # fmt: skip
     p.add_argument("--dev", type=Path, help="bench/vllm_engine.py --no-vllm's JSON of the same drafts")
     p.add_argument("--out", default="bench/results/block_recipe.json")
     args = p.parse_args()
     runs = runs_of(args.records)
+    judged(runs, args.judge)
+    runs |= peer_runs(args.peers)
     dev_report = json.loads(args.dev.read_text()) if args.dev else None
     dev = dev_rows(dev_report)
     drafts = sorted({r["draft"] for r in runs.values()})
@@ -90,7 +142,8 @@ def main() -> None:
         taus = [r["state"]["tau"] for r in mine]
         mean, sd = spread(taus)
         row = dev.get(draft)
-        summary.append({"pipeline": "draftsmith", "kind": kind_of(draft), "setting": draft, "tokens": TOKENS,
+        pipeline = draft.split()[0].split("-")[0] if draft.endswith("(DFlash)") else "draftsmith"
+        summary.append({"pipeline": pipeline, "kind": "dflash" if pipeline != "draftsmith" else kind_of(draft), "setting": draft, "tokens": TOKENS,
                         "seeds": [r["seed"] for r in mine], "heldout_tau": taus, "mean": mean, "sd": sd,
                         "heldout_by_position": [[r["state"].get(f"acc_pos_{i}") for i in range(1, 6)] for r in mine],
                         "dev_tau": [row["tau"]] if row else [],
@@ -108,7 +161,8 @@ def main() -> None:
         print(f"dev: {s['num_prompts']} prompts ({s['prompts']}, {s['order']}), {s['max_new_tokens']} new tokens, "
               f"target alone {alone.get('tokens_per_s', float('nan')):.1f} tok/s; commit "
               f"{dev_report['provenance']['commit']}")  # fmt: skip
-    write_json(args.out, {"provenance": provenance(), "tokens": TOKENS, "records": [str(r) for r in args.records],
+    write_json(args.out, {"provenance": provenance(), "tokens": TOKENS, "records": [str(r) for r in args.records + args.peers],
+                          "judge": [str(r) for r in args.judge],
                           "dev_report": None if args.dev is None else str(args.dev),
                           "dev_settings": None if dev_report is None else dev_report["settings"],
                           "dev_provenance": None if dev_report is None else dev_report["provenance"],

@@ -40,7 +40,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from benchlib.records import write_json
+from benchlib.records import provenance, write_json
 from tqdm.auto import tqdm
 
 from draftsmith.decode.cpu_kernels import pack_for_decoding
@@ -235,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.k < 1:
         parser.error(f"--k must be at least 1, got {args.k}")
 
+    started = provenance()  # the code as it was when the judging began
     torch.set_grad_enabled(False)
     if args.recipe:
         if args.decode:
@@ -300,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             "target": target.name,
             "hardware": hardware_description(torch.device("cpu"), torch.float32),
             "drafts": results,
+            "provenance": started,
         }
         write_json(args.out, report)
     return 0
