@@ -275,8 +275,34 @@ def eagle3_recipe_cells(text: str) -> list[str]:
     ]
 
 
+def block_recipe_cells(text: str) -> list[str]:
+    """The block drafters' deciding table against ``block_recipe.json``'s summary: held-out τ mean ± sd (n), or
+    the one seed's τ (n=1), and dev τ per draft, the draft named by its setting in backticks."""
+    summary = json.loads((RESULTS / "block_recipe.json").read_text())["summary"]
+    wrong, seen = [], set()
+    for cells in section_table(text, "Block drafters", after="Deciding table"):
+        setting = " ".join(re.findall(r"`([^`]*)`", cells[0]))
+        row = next((r for r in summary if r["setting"] == setting), None)
+        if row is None:
+            wrong.append(f"block drafters: row {cells[0][:60]!r} is no draft of the result")
+            continue
+        seen.add(setting)
+        taus = row["heldout_tau"]
+        heldout = f"{spread(taus)} (n={len(taus)})" if len(taus) > 1 else f"{taus[0]:.3f} (n=1)"
+        if plain(cells[2]) != heldout:
+            wrong.append(
+                f"block drafters, {setting}: held-out {plain(cells[2])!r}, the result gives {heldout!r}"
+            )
+        dev = f"{row['dev_tau'][0]:.3f}" if row["dev_tau"] else "–"
+        if plain(cells[3]) != dev:
+            wrong.append(f"block drafters, {setting}: dev {plain(cells[3])!r}, the result gives {dev!r}")
+    return wrong + [
+        f"block drafters: {r['setting']} is not in the table" for r in summary if r["setting"] not in seen
+    ]
+
+
 def benchmarks_problems(text: str) -> list[str]:
-    return plain_decoding_cells(text) + eagle3_recipe_cells(text)
+    return plain_decoding_cells(text) + eagle3_recipe_cells(text) + block_recipe_cells(text)
 
 
 def test_benchmarks_headline_tables_are_read_from_the_results_they_cite():
@@ -292,3 +318,8 @@ def test_a_changed_cell_of_a_headline_table_is_caught():
         "held-out" in p for p in benchmarks_problems(text.replace("**2.226 ± 0.022**", "**2.236 ± 0.022**"))
     )
     assert any("dev" in p for p in benchmarks_problems(text.replace("1.355 ± 0.006", "1.356 ± 0.006")))
+    block = text.replace("**1.627 ± 0.005 (n=3)**", "**1.637 ± 0.005 (n=3)**")
+    assert any("block drafters, dflash-L1-b8-a512: held-out" in p for p in benchmarks_problems(block))
+    assert any(
+        "not in the table" in p for p in benchmarks_problems(text.replace("`speculators (DFlash)`", ""))
+    )
