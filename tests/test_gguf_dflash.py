@@ -105,3 +105,15 @@ def test_a_draft_reading_layers_out_of_order_is_refused(drafts, tmp_path):
     config = {**draft.config.to_dict(), "capture_layer_ids": [3, 1]}
     with pytest.raises(ValueError, match="ascending order"):
         dflash_gguf.write_dflash_gguf(config, draft.state_dict(), tmp_path / "d.gguf", drafts["target_gguf"])
+
+
+def test_the_verifier_knows_a_draft_architecture_from_the_kind_that_registers_it(drafts, tmp_path, monkeypatch):
+    """The dflash check lives with the kind (gguf_dflash.py registers it); the engine's verifier knows only what
+    is registered, and names it when refusing."""
+    from draftsmith.export import gguf_verify
+
+    file = export(drafts, 100, tmp_path / "d.gguf")
+    assert verify_gguf(file) == []
+    monkeypatch.delitem(gguf_verify._ARCHITECTURES, dflash_gguf.DFLASH_ARCH)
+    (problem,) = verify_gguf(file)
+    assert "got 'dflash'" in problem and "'eagle3' (an EAGLE-3 head)" in problem

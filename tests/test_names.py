@@ -27,7 +27,7 @@ OTHER_MEANINGS = {
     ("draftsmith/export/medusa.py", "medusa"): "vLLM's model_type and method name",
     ("drafts/dflash_import.py", "dflash"): "speculators' model type of a DFlash draft it wrote",
     ("draftsmith/export/dflash_speculators.py", "dflash"): "speculators' model type, read by vLLM's update_dflash",
-    ("draftsmith/export/gguf_verify.py", "dflash"): "llama.cpp's architecture name",
+    ("draftsmith/export/gguf_dflash.py", "dflash"): "llama.cpp's architecture name",
     ("draftsmith/llamacpp.py", "dflash"): "llama.cpp's --spec-type draft-dflash",
     ("draftsmith/export/verify.py", "peagle"): "speculators' algorithm name of a P-EAGLE head, read by vLLM",
 }

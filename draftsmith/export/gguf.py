@@ -1,4 +1,4 @@
-"""Drafts as one GGUF file for llama.cpp / LM Studio: distilled Llama drafts, EAGLE-3 heads, DFlash drafts.
+"""Drafts as one GGUF file for llama.cpp / LM Studio: distilled Llama drafts, EAGLE-3 heads, the kinds' own.
 
 Written with ``gguf.GGUFWriter`` under llama.cpp's names and metadata keys:
 
@@ -9,8 +9,8 @@ Written with ``gguf.GGUFWriter`` under llama.cpp's names and metadata keys:
   ``output`` over the draft vocabulary, ``d2t`` as absolute target ids (absent for a full vocabulary), and
   ``eagle3.target_layers`` in llama.cpp's convention (id L = the input of target layer L). The head's token
   embedding is left out: llama.cpp then embeds with the target's, which the head's is a frozen copy of;
-- block drafters in llama.cpp's ``dflash`` architecture, written with these parts by ``gguf_dflash.py`` (their
-  kinds register it).
+- the draft architectures of other kinds, written with these parts by the kind's own GGUF module, which
+  registers the writer and the architecture's check (``gguf_verify.register_architecture``).
 
 q_proj and k_proj rows are permuted the way llama.cpp's converter does (its rotary pairs adjacent
 dimensions; transformers undoes the permutation on load). The tokenizer goes in as metadata: copied from
@@ -52,7 +52,7 @@ from draftsmith.export.gguf_tokenizer import (
     source_tokenizer_fields,
     tokenizer_from_hf,
 )
-from draftsmith.export.gguf_verify import DFLASH_ARCH, EAGLE3_ARCH, verify
+from draftsmith.export.gguf_verify import EAGLE3_ARCH, draft_architectures, verify
 from draftsmith.loading import read_gguf
 
 QTYPES = {
@@ -280,7 +280,7 @@ def check_target_gguf(source: Path, target: dict) -> list[tuple]:
     """The tokenizer fields of ``source`` after checking it is a GGUF of the head's target ``target``."""
     reader = read_gguf(source, TARGET_GGUF_FIX)
     arch = reader.fields["general.architecture"].contents()
-    if arch in (EAGLE3_ARCH, DFLASH_ARCH):
+    if arch in draft_architectures():
         raise ValueError(
             f"{source} is a draft ({arch}), not its target; pass the target's GGUF with --target-gguf"
         )

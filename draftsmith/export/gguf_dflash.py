@@ -37,7 +37,19 @@ from draftsmith.export.gguf import (
     gguf_file,
     required_target_gguf,
 )
-from draftsmith.export.gguf_verify import DFLASH_ARCH
+from draftsmith.export.gguf_verify import (
+    Decoder,
+    DraftArchitecture,
+    check_d2t,
+    layer_shapes,
+    register_architecture,
+)
+
+DFLASH_ARCH = "dflash"
+"""llama.cpp's architecture name for a block drafter (``src/models/dflash.cpp``)."""
+DFLASH_KEYS = (f"{DFLASH_ARCH}.target_layers", f"{DFLASH_ARCH}.block_size", gguf.Keys.Tokenizer.MASK_ID)
+"""Read by ``llama_model_dflash`` (target_layers: required) and ``common_speculative_impl_draft_dflash``
+(block_size: 16 when missing; the mask token: ``llama_vocab_mask``, none without it)."""
 
 LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -56,6 +68,61 @@ SAMPLE_FROM_ANCHOR = f"{DFLASH_ARCH}.sample_from_anchor"
 """llama.cpp's DSpark graph: absent or true, slot 0 is drafted too; draftsmith's blocks need false."""
 SKIPPED = ("t2d", "rotary_emb.inv_freq")
 """Saved with the draft, read by no llama.cpp loader (t2d: the inverse of d2t)."""
+
+
+def _check_meta(d: Decoder) -> list[str]:
+    """llama.cpp's DFlash drafter: ascending target layers >= 1 (the input of layer L; 0 is the embedding
+    no target extracts), a block of the last token and at least one slot, a mask token of the vocabulary."""
+    problems = []
+    ids = [int(i) for i in d.reader.fields[f"{DFLASH_ARCH}.target_layers"].contents()]
+    if not ids or ids != sorted(set(ids)) or ids[0] < 1:
+        problems.append(
+            f"{DFLASH_ARCH}.target_layers {ids} must be distinct, ascending and >= 1 (fc's columns follow that order)"
+        )
+    block = int(d.meta["block_size"])
+    if block < 2:
+        problems.append(
+            f"{DFLASH_ARCH}.block_size {block}: a block holds the last token and at least one to draft"
+        )
+    mask = int(d.meta[gguf.Keys.Tokenizer.MASK_ID])
+    if not 0 <= mask < d.V:
+        problems.append(f"{gguf.Keys.Tokenizer.MASK_ID} {mask} is not a token of the vocabulary")
+    return problems
+
+
+def expected_tensors(d: Decoder) -> tuple[dict[str, tuple], list[str]]:
+    """The tensors llama.cpp's dflash loader maps for this file's metadata: ``fc`` over the taps, Qwen3
+    blocks (per-head q/k norms), the draft's own head and ``d2t`` for a reduced vocabulary (else the
+    target's), the embedding optional; DSpark's Markov head ([V, r] by target ids, [Vd, r]) with slot 0
+    passed through (``sample_from_anchor`` false)."""
+    problems = _check_meta(d)
+    H, V = d.H, d.V
+    d2t = next((t for t in d.reader.tensors if t.name == "d2t"), None)
+    taps = len(d.reader.fields[f"{DFLASH_ARCH}.target_layers"].contents())
+    expected = {"fc.weight": (H, taps * H), "enc.output_norm.weight": (H,), "output_norm.weight": (H,)}
+    for i in range(d.L):
+        expected |= layer_shapes(i, d, H)
+        expected |= {f"blk.{i}.attn_q_norm.weight": (d.hd,), f"blk.{i}.attn_k_norm.weight": (d.hd,)}
+    if d2t is not None:  # the graph scatters the draft's own head's logits through d2t
+        expected |= {"d2t": (int(d2t.shape[0]),), "output.weight": (int(d2t.shape[0]), H)}
+        problems += check_d2t(d2t, V)
+    elif "output.weight" in d.shapes:
+        expected["output.weight"] = (V, H)
+    if "token_embd.weight" in d.shapes:
+        expected["token_embd.weight"] = (V, H)
+    if "markov_w1.weight" in d.shapes:
+        rank = d.shapes["markov_w1.weight"][1]
+        expected |= {"markov_w1.weight": (V, rank), "markov_w2.weight": (expected.get("d2t", (V,))[0], rank)}
+        anchor = d.reader.fields.get(SAMPLE_FROM_ANCHOR)
+        if anchor is None or bool(anchor.contents()):
+            problems.append(
+                f"{SAMPLE_FROM_ANCHOR} is not false: llama.cpp would bias and draft slot 0, which holds "
+                "the last token in draftsmith's blocks"
+            )
+    return expected, problems
+
+
+register_architecture(DraftArchitecture(DFLASH_ARCH, "a block drafter", DFLASH_KEYS, expected_tensors))
 
 
 def dflash_tensors(weights: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:

@@ -8,6 +8,8 @@ is the final judge (tests/test_llamacpp.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -32,14 +34,59 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.gg
 EAGLE3_KEYS = ("eagle3.target_layers", "eagle3.target_hidden_size")
 EAGLE3_ARCH = "eagle3"
 """llama.cpp's architecture name for an EAGLE-3 head (``general.architecture``; llama.cpp's, not a kind)."""
-DFLASH_ARCH = "dflash"
-"""llama.cpp's architecture name for a DFlash draft (``src/models/dflash.cpp``)."""
-DFLASH_KEYS = ("dflash.target_layers", "dflash.block_size", "tokenizer.ggml.mask_token_id")
-"""Read by ``llama_model_dflash`` (target_layers: required) and ``common_speculative_impl_draft_dflash``
-(block_size: 16 when missing; the mask token: ``llama_vocab_mask``, none without it)."""
 
 
-def _layer_shapes(i: int, H: int, heads: int, kv_heads: int, hd: int, ff: int, attn_in: int) -> dict:
+@dataclass(frozen=True)
+class Decoder:
+    """What a GGUF's metadata says of its decoder, for an architecture's check of its tensors."""
+
+    reader: gguf.GGUFReader
+    meta: dict
+    """The required keys' values, the architecture prefix removed."""
+    shapes: dict[str, tuple[int, ...]]
+    """Every tensor's shape in PyTorch's order."""
+    H: int
+    L: int
+    V: int
+    heads: int
+    kv_heads: int
+    hd: int
+    ff: int
+
+
+@dataclass(frozen=True)
+class DraftArchitecture:
+    """A llama.cpp draft architecture draftsmith writes besides ``llama``: the metadata keys its loader needs
+    beyond every decoder's, and ``expected(decoder) -> (tensor name -> shape, problems)``."""
+
+    name: str
+    """``general.architecture``."""
+    title: str
+    """What the refusal of an unknown architecture calls it ("an EAGLE-3 head")."""
+    keys: tuple[str, ...]
+    expected: Callable[[Decoder], tuple[dict[str, tuple], list[str]]]
+
+
+_ARCHITECTURES: dict[str, DraftArchitecture] = {}
+
+
+def register_architecture(arch: DraftArchitecture) -> DraftArchitecture:
+    """Make a draft architecture known to ``verify_gguf`` (its writer's module calls this at import)."""
+    _ARCHITECTURES[arch.name] = arch
+    return arch
+
+
+def draft_architectures() -> dict[str, DraftArchitecture]:
+    """The draft architectures draftsmith writes, every kind's GGUF module imported (the kinds register theirs)."""
+    from draftsmith.export.engines import load_kind_exports  # the kinds' modules import this one
+
+    load_kind_exports()
+    return _ARCHITECTURES
+
+
+def layer_shapes(i: int, d: Decoder, attn_in: int) -> dict:
+    """Block ``i``'s tensors in llama.cpp's names; its attention projections read ``attn_in`` features."""
+    H, heads, kv_heads, hd, ff = d.H, d.heads, d.kv_heads, d.hd, d.ff
     return {
         f"blk.{i}.attn_norm.weight": (H,),
         f"blk.{i}.ffn_norm.weight": (H,),
@@ -55,20 +102,20 @@ def _layer_shapes(i: int, H: int, heads: int, kv_heads: int, hd: int, ff: int, a
 
 def verify_gguf(path: Path) -> list[str]:
     """Problems a GGUF draft has for llama.cpp (and transformers, for Llama drafts): metadata the loader
-    needs, the exact tensor set and shapes; for an ``eagle3`` head also its layer ids and ``d2t``."""
+    needs, the exact tensor set and shapes; for a draft architecture (an ``eagle3`` head, the kinds'
+    registered ones) also what its own check finds (layer ids, ``d2t``)."""
     found = [path] if path.is_file() else sorted(path.glob("*.gguf"))
     if len(found) != 1:
         return [f"expected one .gguf file at {path}, found {len(found)}"]
     reader = read_gguf(found[0], "Export it again")  # a cut-short file: one line naming it
     fields = reader.fields
     arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
-    if arch not in ("llama", EAGLE3_ARCH, DFLASH_ARCH):
-        return [
-            f"general.architecture must be 'llama' (a draft model), 'eagle3' (an EAGLE-3 head) or 'dflash' (a "
-            f"DFlash draft), got {arch!r}"
-        ]
+    drafts = draft_architectures()
+    if arch != "llama" and arch not in drafts:
+        known = ", ".join(f"{a.name!r} ({a.title})" for a in drafts.values())
+        return [f"general.architecture must be 'llama' (a draft model) or one of {known}, got {arch!r}"]
     required = [f"{arch}.{k}" for k in HPARAM_KEYS] + list(TOKENIZER_KEYS)
-    required += {EAGLE3_ARCH: list(EAGLE3_KEYS), DFLASH_ARCH: list(DFLASH_KEYS)}.get(arch, [])
+    required += list(drafts[arch].keys) if arch in drafts else []
     problems = [f"metadata {k} missing (the loader would guess it)" for k in required if k not in fields]
     if problems:
         return problems
@@ -84,63 +131,23 @@ def verify_gguf(path: Path) -> list[str]:
         problems.append(
             "general.name contains 'mistral': transformers would load the file as a Mistral model"
         )
-    H, L, V = meta["embedding_length"], meta["block_count"], meta["vocab_size"]
-    heads, kv_heads = meta["attention.head_count"], meta["attention.head_count_kv"]
-    hd, ff = meta["rope.dimension_count"], meta["feed_forward_length"]
-    if n_tokens != V:
-        problems.append(f"{n_tokens} tokens but {arch}.vocab_size {V}")
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    d = Decoder(
+        reader, meta, shapes, H=meta["embedding_length"], L=meta["block_count"], V=meta["vocab_size"],
+        heads=meta["attention.head_count"], kv_heads=meta["attention.head_count_kv"],
+        hd=meta["rope.dimension_count"], ff=meta["feed_forward_length"],
+    )  # fmt: skip
+    if n_tokens != d.V:
+        problems.append(f"{n_tokens} tokens but {arch}.vocab_size {d.V}")
     if arch == "llama":
-        expected = {"token_embd.weight": (V, H), "output_norm.weight": (H,)}
-        for i in range(L):
-            expected |= _layer_shapes(i, H, heads, kv_heads, hd, ff, H)
+        expected = {"token_embd.weight": (d.V, d.H), "output_norm.weight": (d.H,)}
+        for i in range(d.L):
+            expected |= layer_shapes(i, d, d.H)
         if "output.weight" in shapes:
-            expected["output.weight"] = (V, H)
-    elif arch == DFLASH_ARCH:
-        problems += _check_dflash_meta(reader, meta)
-        d2t = next((t for t in reader.tensors if t.name == "d2t"), None)
-        taps = len(reader.fields["dflash.target_layers"].contents())
-        expected = {"fc.weight": (H, taps * H), "enc.output_norm.weight": (H,), "output_norm.weight": (H,)}
-        for i in range(L):
-            expected |= _layer_shapes(i, H, heads, kv_heads, hd, ff, H)
-            expected |= {f"blk.{i}.attn_q_norm.weight": (hd,), f"blk.{i}.attn_k_norm.weight": (hd,)}
-        if d2t is not None:  # the graph scatters the draft's own head's logits through d2t
-            expected |= {"d2t": (int(d2t.shape[0]),), "output.weight": (int(d2t.shape[0]), H)}
-            problems += _check_d2t(d2t, V)
-        elif "output.weight" in shapes:
-            expected["output.weight"] = (V, H)
-        if "token_embd.weight" in shapes:
-            expected["token_embd.weight"] = (V, H)
-        if "markov_w1.weight" in shapes:  # DSpark: the Markov head, [V, r] by target ids and [Vd, r]
-            rank = shapes["markov_w1.weight"][1]
-            expected |= {
-                "markov_w1.weight": (V, rank),
-                "markov_w2.weight": (expected.get("d2t", (V,))[0], rank),
-            }
-            anchor = fields.get("dflash.sample_from_anchor")
-            if anchor is None or bool(anchor.contents()):
-                problems.append(
-                    "dflash.sample_from_anchor is not false: llama.cpp would bias and draft slot 0, which holds "
-                    "the last token in draftsmith's blocks"
-                )
+            expected["output.weight"] = (d.V, d.H)
     else:
-        problems += _check_eagle3_meta(reader, meta, L)
-        d2t = next((t for t in reader.tensors if t.name == "d2t"), None)
-        Vd = int(d2t.shape[0]) if d2t is not None else V
-        expected = {
-            "fc.weight": (H, 3 * meta["target_hidden_size"]),
-            "output_norm.weight": (H,),
-            "output.weight": (Vd, H),
-            "blk.0.attn_norm_2.weight": (H,),
-            **_layer_shapes(0, H, heads, kv_heads, hd, ff, 2 * H),
-        }
-        if d2t is not None:
-            expected["d2t"] = (Vd,)
-            problems += _check_d2t(d2t, V)
-        if "eagle3.norm_before_fc" in fields and fields["eagle3.norm_before_fc"].contents():
-            expected["enc.output_norm.weight"] = (3 * meta["target_hidden_size"],)
-        if "token_embd.weight" in shapes:
-            expected["token_embd.weight"] = (V, H)
+        expected, found_problems = drafts[arch].expected(d)
+        problems += found_problems
     problems += [f"tensor {n} missing" for n in sorted(set(expected) - set(shapes))]
     problems += [
         f"tensor {n} is not one the loader maps (it would be skipped)"
@@ -152,6 +159,34 @@ def verify_gguf(path: Path) -> list[str]:
         if shapes[n] != expected[n]
     ]
     return problems
+
+
+def _eagle3_expected(d: Decoder) -> tuple[dict[str, tuple], list[str]]:
+    """llama.cpp's eagle3 head: ``fc`` over the 3 taps, one block whose attention reads 2·H, its own
+    ``output`` over the draft vocabulary (``d2t`` as absolute ids when reduced), the embedding optional."""
+    problems = _check_eagle3_meta(d.reader, d.meta, d.L)
+    d2t = next((t for t in d.reader.tensors if t.name == "d2t"), None)
+    Vd = int(d2t.shape[0]) if d2t is not None else d.V
+    H = d.H
+    expected = {
+        "fc.weight": (H, 3 * d.meta["target_hidden_size"]),
+        "output_norm.weight": (H,),
+        "output.weight": (Vd, H),
+        "blk.0.attn_norm_2.weight": (H,),
+        **layer_shapes(0, d, 2 * H),
+    }
+    if d2t is not None:
+        expected["d2t"] = (Vd,)
+        problems += check_d2t(d2t, d.V)
+    fields = d.reader.fields
+    if "eagle3.norm_before_fc" in fields and fields["eagle3.norm_before_fc"].contents():
+        expected["enc.output_norm.weight"] = (3 * d.meta["target_hidden_size"],)
+    if "token_embd.weight" in d.shapes:
+        expected["token_embd.weight"] = (d.V, H)
+    return expected, problems
+
+
+register_architecture(DraftArchitecture(EAGLE3_ARCH, "an EAGLE-3 head", EAGLE3_KEYS, _eagle3_expected))
 
 
 def _check_eagle3_meta(reader: gguf.GGUFReader, meta: dict, n_layers: int) -> list[str]:
@@ -169,25 +204,8 @@ def _check_eagle3_meta(reader: gguf.GGUFReader, meta: dict, n_layers: int) -> li
     return problems
 
 
-def _check_dflash_meta(reader: gguf.GGUFReader, meta: dict) -> list[str]:
-    """llama.cpp's DFlash drafter: ascending target layers >= 1 (the input of layer L; 0 is the embedding
-    no target extracts), a block of the last token and at least one slot, a mask token of the vocabulary."""
-    problems = []
-    ids = [int(i) for i in reader.fields["dflash.target_layers"].contents()]
-    if not ids or ids != sorted(set(ids)) or ids[0] < 1:
-        problems.append(
-            f"dflash.target_layers {ids} must be distinct, ascending and >= 1 (fc's columns follow that order)"
-        )
-    block = int(meta["block_size"])
-    if block < 2:
-        problems.append(f"dflash.block_size {block}: a block holds the last token and at least one to draft")
-    mask = int(meta["tokenizer.ggml.mask_token_id"])
-    if not 0 <= mask < int(meta["vocab_size"]):
-        problems.append(f"tokenizer.ggml.mask_token_id {mask} is not a token of the vocabulary")
-    return problems
-
-
-def _check_d2t(d2t, vocab: int) -> list[str]:
+def check_d2t(d2t, vocab: int) -> list[str]:
+    """A reduced vocabulary's ``d2t``: I64 absolute target ids, each once (llama.cpp asserts the type)."""
     if d2t.tensor_type != gguf.GGMLQuantizationType.I64:
         return [f"d2t must be I64 (llama.cpp asserts it), got {d2t.tensor_type.name}"]
     ids = np.asarray(d2t.data).reshape(-1)
