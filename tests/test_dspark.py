@@ -116,14 +116,10 @@ def test_training_logits_for_an_anchor_equal_the_decoders(target):
     )
     for anchor in (6, 11):
         anchors = torch.tensor([[anchor]])
-        objective.walking = True
-        try:
-            previous = objective.slot_inputs(row, one, anchors)["previous_tokens"][0, 0]
-            train_logits = objective.block_logits(
-                draft, row, one, anchors, torch.ones_like(anchors, dtype=torch.bool)
-            )
-        finally:
-            objective.walking = False
+        previous = objective.slot_inputs(row, one, anchors, walk=True)["previous_tokens"][0, 0]
+        train_logits = objective.block_logits(
+            draft, row, one, anchors, torch.ones_like(anchors, dtype=torch.bool), walk=True
+        )
         drafter = DSparkDrafter(draft, target.model)
         with torch.no_grad():
             drafter.begin(

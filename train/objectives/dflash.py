@@ -126,8 +126,10 @@ class DFlashObjective(Objective):
         return draft
 
     def block_logits(self, draft: nn.Module, batch: Batch, teacher: Teacher, anchors: torch.Tensor,
-                     keep: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """Logits [B, N, Q - 1, Vd] (the draft vocabulary) of the blocks at ``anchors`` [B, N] (``keep`` marks real ones)."""
+                     keep: torch.Tensor, walk: bool = False) -> torch.Tensor:  # fmt: skip
+        """Logits [B, N, Q - 1, Vd] (the draft vocabulary) of the blocks at ``anchors`` [B, N] (``keep`` marks real
+        ones); ``walk``: for validation's decoding walk, where what precedes a slot is the target's greedy
+        continuation rather than the row (``slot_inputs``)."""
         real = batch.attention_mask.bool()
         T = real.shape[1]
         positions = (
@@ -152,10 +154,12 @@ class DFlashObjective(Objective):
         features = {i: teacher.features[i] for i in self.capture_layers}
         return draft(F.embedding(ids, self.embed_weight), block_positions, context_mask, features=features,
                      feature_positions=positions, target_head=self.lm_head,
-                     **self.slot_inputs(batch, teacher, anchors))  # fmt: skip
+                     **self.slot_inputs(batch, teacher, anchors, walk))  # fmt: skip
 
-    def slot_inputs(self, batch: Batch, teacher: Teacher, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What the draft's forward takes per slot besides the block (a kind built on DFlash adds its own)."""
+    def slot_inputs(self, batch: Batch, teacher: Teacher, anchors: torch.Tensor, walk: bool = False
+                    ) -> dict[str, torch.Tensor]:  # fmt: skip
+        """What the draft's forward takes per slot besides the block (a kind built on DFlash adds its own;
+        ``walk``: as ``block_logits``)."""
         return {}
 
     def slot_labels(self, batch: Batch, teacher: Teacher, anchors: torch.Tensor, keep: torch.Tensor):
@@ -256,7 +260,7 @@ class DFlashObjective(Objective):
             for c in cols.split(VALIDATION_ANCHORS):
                 anchors = (c + 1)[None]  # the block after start t is anchored on token t+1
                 logits = self.block_logits(
-                    draft, row, feats, anchors, torch.ones_like(anchors, dtype=torch.bool)
+                    draft, row, feats, anchors, torch.ones_like(anchors, dtype=torch.bool), walk=True
                 )
                 expected = torch.stack([greedy[b, c + 1 + j] for j in range(n)], dim=-1)  # target's t+2+j
                 matches = self.d2t.to(logits.device)[logits[0, :, :n].argmax(-1)] == expected

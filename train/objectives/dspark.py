@@ -15,7 +15,6 @@ from typing import Annotated
 import torch
 from pydantic import Field
 from pydantic.dataclasses import dataclass
-from torch import nn
 
 from draftsmith.drafts.base import DSPARK
 from draftsmith.drafts.dspark import MAX_MARKOV_RANK, DSparkConfig, DSparkDraft
@@ -46,14 +45,14 @@ class DSparkObjective(DFlashObjective):
         options = DSparkOptions() if options is None else options
         super().__init__(target, options, token_counts)
         self.config = DSparkConfig.from_dict({**self.config.to_dict(), "markov_rank": options.markov_rank})
-        self.walking = False  # True inside chain_lengths: the previous tokens are the target's greedy ones
 
     def build_draft(self) -> DSparkDraft:
         draft = DSparkDraft(DSparkConfig.from_dict(self.config.to_dict()))
         draft.init_from_target(self.target.model, self.token_counts)
         return draft
 
-    def slot_inputs(self, batch: Batch, teacher: Teacher, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
+    def slot_inputs(self, batch: Batch, teacher: Teacher, anchors: torch.Tensor, walk: bool = False
+                    ) -> dict[str, torch.Tensor]:  # fmt: skip
         """The token before each drafted slot [B, N, Q - 1]: the anchor, then the row's tokens (training) or
         the target's greedy ones (validation's walk)."""
         B, T = batch.input_ids.shape
@@ -61,19 +60,11 @@ class DSparkObjective(DFlashObjective):
             max=T - 1
         )  # token a+i-1 for slot i
         source = batch.input_ids
-        if self.walking:  # the target's greedy token at a+i-1 is its prediction from a+i-2
+        if walk:  # the target's greedy token at a+i-1 is its prediction from a+i-2
             source = torch.cat([batch.input_ids[:, :1], teacher_greedy(teacher)[:, :-1]], dim=1)
         previous = source.gather(1, before.view(B, -1)).view_as(before)
         previous[..., 0] = batch.input_ids.gather(1, anchors)  # slot 1: the anchor itself
         return {"previous_tokens": previous}
-
-    @torch.no_grad()
-    def chain_lengths(self, draft: nn.Module, batch: Batch, teacher: Teacher, k: int):
-        self.walking = True
-        try:
-            return super().chain_lengths(draft, batch, teacher, k)
-        finally:
-            self.walking = False
 
 
 @register_objective(DSPARK, options=DSparkOptions)
