@@ -9,7 +9,7 @@ from draftsmith.drafts.base import kind_of_checkpoint
 from draftsmith.train import losses
 from draftsmith.train.objective import Batch, Teacher, decoding_walk
 from draftsmith.train.objectives import distill, on_policy
-from draftsmith.train.objectives.distill import DistillObjective
+from draftsmith.train.objectives.distill import DistillObjective, DistillOptions
 from draftsmith.train.registry import build_objective
 
 
@@ -54,7 +54,7 @@ def _teacher(target, batch: Batch, k: int) -> Teacher:
 )
 def test_loss_decreases_on_a_fixed_batch(options):
     target = tiny_target("llama")
-    objective = DistillObjective(target, options)
+    objective = DistillObjective(target, DistillOptions(**options))
     draft = objective.build_draft()
     batch = _batch()
     teacher = _teacher(target, batch, objective.teacher_topk)
@@ -73,7 +73,7 @@ def test_loss_decreases_on_a_fixed_batch(options):
 
 def test_full_teacher_loss_equals_the_pure_function_and_token_counts_accumulate():
     target = tiny_target("llama")
-    objective = DistillObjective(target, {"init": "target_layers", "num_layers": 2, "loss": "fkl"})
+    objective = DistillObjective(target, DistillOptions(init="target_layers", num_layers=2, loss="fkl"))
     assert objective.teacher_topk == target.vocab_size
     draft = objective.build_draft()
     batch = _batch()
@@ -91,7 +91,7 @@ def test_full_teacher_loss_equals_the_pure_function_and_token_counts_accumulate(
 def test_micro_batches_with_the_step_token_count_give_the_whole_batch_gradient():
     target = tiny_target("llama")
     objective = DistillObjective(
-        target, {"init": "config", "num_layers": 1, "hidden_size": 16, "loss": "jsd"}
+        target, DistillOptions(init="config", num_layers=1, hidden_size=16, loss="jsd")
     )
     draft = objective.build_draft()
     batch = _batch()
@@ -129,7 +129,7 @@ def test_chain_run_lengths_by_hand():
 def test_acceptance_of_an_exact_copy_and_of_a_fresh_draft():
     target = tiny_target("llama")
     batch = _batch()
-    exact = DistillObjective(target, {"init": "target_layers", "num_layers": 4})
+    exact = DistillObjective(target, DistillOptions(init="target_layers", num_layers=4))
     teacher = _teacher(target, batch, exact.teacher_topk)
     counts = exact.acceptance(exact.build_draft(), batch, teacher, k=3)
     assert counts.shape == (4,) and int(counts[3]) > 0
@@ -140,7 +140,7 @@ def test_acceptance_of_an_exact_copy_and_of_a_fresh_draft():
         <= exact.num_loss_tokens(batch) + batch.input_ids.shape[0] * 3
     )
     fresh = DistillObjective(
-        target, {"init": "config", "num_layers": 1, "hidden_size": 16, "teacher_topk": 8}
+        target, DistillOptions(init="config", num_layers=1, hidden_size=16, teacher_topk=8)
     )
     counts = fresh.acceptance(fresh.build_draft(), batch, _teacher(target, batch, 8), k=3)
     assert 0 < int(counts.sum()) <= fresh.num_loss_tokens(batch) and int(counts[0]) > 0
@@ -153,14 +153,14 @@ def test_registered_and_saved_as_a_causal_lm_draft(tmp_path):
     objective.save(objective.build_draft(), tmp_path / "draft")
     assert kind_of_checkpoint(tmp_path / "draft").name == "distill"
     with pytest.raises(ValueError, match="unknown key 'draft.options.layers'.*Valid keys"):
-        DistillObjective(target, {"layers": 2})
+        build_objective("distill", target, {"layers": 2})
     with pytest.raises(ValueError, match="choose one of"):
-        DistillObjective(target, {"loss": "kl"})
+        build_objective("distill", target, {"loss": "kl"})
 
 
 def test_on_policy_greedy_samples_follow_the_draft_and_keep_prompts():
     target = tiny_target("llama")
-    draft = DistillObjective(target, {"init": "target_layers", "num_layers": 4}).build_draft()
+    draft = DistillObjective(target, DistillOptions(init="target_layers", num_layers=4)).build_draft()
     prompts = on_policy.prompt_prefixes(_batch())
     assert [p.tolist() for p in prompts] == [[5, 17, 42, 99], [11, 12, 13, 14]]
     prompts[1] = torch.tensor([11, 12])  # different lengths exercise the left padding
@@ -178,7 +178,9 @@ def test_on_policy_greedy_samples_follow_the_draft_and_keep_prompts():
 
 def test_on_policy_sampling_is_reproducible_and_mixes_by_fraction():
     target = tiny_target("llama")
-    draft = DistillObjective(target, {"init": "config", "num_layers": 1, "hidden_size": 16}).build_draft()
+    draft = DistillObjective(
+        target, DistillOptions(init="config", num_layers=1, hidden_size=16)
+    ).build_draft()
     batch = _batch()
     prompts = on_policy.prompt_prefixes(batch)
     a = on_policy.sample_on_policy(draft, target, prompts, 5, 1.0, torch.Generator().manual_seed(0))
@@ -203,10 +205,10 @@ def test_on_policy_generator_state_round_trips_for_exact_resume():
     same rows and continuations as one that never stopped."""
     target = tiny_target("llama", layers=2)
     options = {"num_layers": 1, "on_policy_fraction": 0.5}
-    running = DistillObjective(target, options)
+    running = DistillObjective(target, DistillOptions(**options))
     running.generator = torch.Generator().manual_seed(7)
     torch.rand(5, generator=running.generator)  # advanced past its seed, as after some steps
-    resumed = DistillObjective(target, options)
+    resumed = DistillObjective(target, DistillOptions(**options))
     assert resumed.state_dict() == {}
     resumed.load_state_dict(running.state_dict())
     assert torch.equal(torch.rand(8, generator=resumed.generator), torch.rand(8, generator=running.generator))

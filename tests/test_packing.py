@@ -98,10 +98,10 @@ def test_eagle_unroll_and_masks_match_unpacked_rows():
 
 
 def test_distill_draft_logits_match_unpacked_rows():
-    from draftsmith.train.objectives.distill import DistillObjective
+    from draftsmith.train.objectives.distill import DistillObjective, DistillOptions
 
     target = tiny_target("llama", layers=4)
-    objective = DistillObjective(target, {"num_layers": 2})
+    objective = DistillObjective(target, DistillOptions(num_layers=2))
     draft = objective.build_draft().eval()
     convs = conversations()
     with torch.no_grad():

@@ -27,7 +27,7 @@ from draftsmith.loading import resolve_dtype
 from draftsmith.train.losses import LOSSES, TokenLoss, distillation_loss, teacher_labels, token_count
 from draftsmith.train.objective import Batch, Objective, Teacher
 from draftsmith.train.objectives.on_policy import mix_on_policy
-from draftsmith.train.registry import parse_options, register_objective
+from draftsmith.train.registry import register_objective
 from draftsmith.train.schema import SECTION
 
 
@@ -113,22 +113,23 @@ class DistillObjective(Objective):
     kind = distill.DISTILL
     capture_layers = ()
 
-    def __init__(self, target: Target, options: dict[str, Any] | None = None):
-        """``options``: ``draft.options`` (``DistillOptions``; checked here, so a direct call is checked too)."""
-        opts = parse_options(distill.DISTILL, DistillOptions, options or {})
-        if opts["init"] == "pretrained" and not opts["path"]:
+    def __init__(self, target: Target, options: DistillOptions | None = None):
+        """``options``: ``draft.options`` as its record, ``DistillOptions`` (each option's default, range and
+        meaning, as ``train --help`` shows them)."""
+        opts = DistillOptions() if options is None else options
+        if opts.init == "pretrained" and not opts.path:
             raise ValueError("distill option init='pretrained' needs path: a model directory or Hub id")
-        topk = int(opts["teacher_topk"])
+        topk = int(opts.teacher_topk)
         self.target = target
         self.options = opts
         self.teacher_topk = target.vocab_size if topk == 0 else min(topk, target.vocab_size)
-        self.merge_lora = bool(opts["merge_lora"])
-        self.reads_target_layers = opts["init"] == "target_layers"
+        self.merge_lora = bool(opts.merge_lora)
+        self.reads_target_layers = opts.init == "target_layers"
         self.generator: torch.Generator | None = None  # made on the draft's device at first use
 
     @property
     def on_policy(self) -> bool:
-        return float(self.options["on_policy_fraction"]) > 0
+        return float(self.options.on_policy_fraction) > 0
 
     def state_dict(self) -> dict:
         """The on-policy sampling generator, so a resumed run draws the same continuations."""
@@ -147,12 +148,12 @@ class DistillObjective(Objective):
             return batch
         device = next(draft.parameters()).device
         if self.generator is None or self.generator.device != device:
-            self.generator = torch.Generator(device=device).manual_seed(int(self.options["seed"]))
+            self.generator = torch.Generator(device=device).manual_seed(int(self.options.seed))
         was_training = draft.training
         draft.eval()
         mixed = mix_on_policy(
-            batch, draft, self.target, float(self.options["on_policy_fraction"]),
-            int(self.options["on_policy_max_new_tokens"]), float(self.options["on_policy_temperature"]),
+            batch, draft, self.target, float(self.options.on_policy_fraction),
+            int(self.options.on_policy_max_new_tokens), float(self.options.on_policy_temperature),
             self.generator,
         )  # fmt: skip
         draft.train(was_training)
@@ -160,24 +161,24 @@ class DistillObjective(Objective):
 
     def build_draft(self) -> nn.Module:
         o, target = self.options, self.target
-        dtype = resolve_dtype(o["dtype"])
-        if o["init"] == "config":
+        dtype = resolve_dtype(o.dtype)
+        if o.init == "config":
             model = distill.from_config(
                 target,
-                int(o["num_layers"]),
-                o["hidden_size"],
-                o["intermediate_size"],
+                int(o.num_layers),
+                o.hidden_size,
+                o.intermediate_size,
                 dtype=dtype,
-                seed=o["seed"],
+                seed=o.seed,
             )
-        elif o["init"] == "target_layers":
+        elif o.init == "target_layers":
             total = int(target.config.num_hidden_layers)
-            ids = o["layer_ids"] if o["layer_ids"] is not None else evenly_spaced(int(o["num_layers"]), total)
+            ids = o.layer_ids if o.layer_ids is not None else evenly_spaced(int(o.num_layers), total)
             model = distill.from_target_layers(target, [int(i) for i in ids], dtype=dtype)
         else:
-            model = distill.from_pretrained_draft(str(o["path"]), target, dtype=dtype)
-        if o["lora"] is not None:
-            model = distill.apply_lora(model, **dict(o["lora"]))
+            model = distill.from_pretrained_draft(str(o.path), target, dtype=dtype)
+        if o.lora is not None:
+            model = distill.apply_lora(model, **dict(o.lora))
         return model
 
     def _teacher(self, teacher: Teacher) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -215,10 +216,10 @@ class DistillObjective(Objective):
         t_logits, t_ids = self._teacher(teacher)
         t_logits, t_ids = t_logits.to(logits.device), None if t_ids is None else t_ids.to(logits.device)
         greedy = teacher_labels(t_logits, t_ids)
-        labels = batch.input_ids[:, 1:].to(logits.device) if o["ce_labels"] == "data" else greedy
-        temperature, beta = float(o["temperature"]), float(o["beta"])
+        labels = batch.input_ids[:, 1:].to(logits.device) if o.ce_labels == "data" else greedy
+        temperature, beta = float(o.temperature), float(o.beta)
         result: TokenLoss = distillation_loss(
-            o["loss"],
+            o.loss,
             logits,
             t_logits,
             mask,
@@ -271,4 +272,4 @@ class DistillObjective(Objective):
 
 @register_objective(distill.DISTILL, options=DistillOptions)
 def _build_objective(target: Target, options: dict[str, Any], token_counts=None) -> DistillObjective:
-    return DistillObjective(target, options)
+    return DistillObjective(target, DistillOptions(**options))
