@@ -43,7 +43,8 @@ class Engine:
     checked: str
     """The engine release whose loader (or writer) the layout was checked against."""
     help: str = ""
-    """What ``--to NAME`` writes, for ``draftsmith export --help``; empty for a layout draftsmith only reads."""
+    """What ``--to NAME`` writes of its own accord, for ``draftsmith export --help`` (the kinds registered
+    onto it add theirs: ``family_help``); empty for a layout draftsmith only reads."""
     refuses: dict[str, str] = field(default_factory=dict)
     """Draft family -> why the engine cannot load such a draft."""
     file_suffix: str | None = None
@@ -51,6 +52,9 @@ class Engine:
     captures_last_layer: bool = True
     """Whether the engine can hand a draft the output of the target's last decoder layer (vLLM captures every
     layer's output; SGLang and llama.cpp capture only layer inputs): ``drafts/taps.py``."""
+    family_help: dict[str, str] = field(default_factory=dict)
+    """Draft family -> what ``--to NAME`` writes for it, registered with its writer by the kind's export module
+    (``draftsmith export --help`` lists them after ``help``)."""
     writers: dict[str, Writer] = field(default_factory=dict)
     """Draft family -> its writer (registered by ``draftsmith/export/<name>.py`` for what the engine serves
     of its own accord, by the kind's export module, ``drafts/base.KINDS``, for the rest)."""
@@ -114,26 +118,22 @@ HF = register_engine(Engine(
 ))  # fmt: skip
 VLLM = register_engine(Engine("vllm", "vLLM", "vLLM 0.33.0 (llama_eagle3.py, llama.py capture, interfaces.py)",
     help="EAGLE-3: LlamaForCausalLMEagle3, layer ids top-level in vLLM's convention (input of layer L: draftsmith "
-    "id + 1), d2t as offsets, none for a full vocabulary (P-EAGLE: plus mask_hidden and mask_token_id, served with "
-    "parallel_drafting); DFlash: DFlashDraftModel; Medusa: MedusaModel; distilled: the transformers directory "
-    "(draft_model)"))  # fmt: skip
+    "id + 1), d2t as offsets, none for a full vocabulary; distilled: the transformers directory (draft_model)"))  # fmt: skip
 SGLANG = register_engine(Engine("sglang", "SGLang", "SGLang 0.5.23 (llama_eagle3.py, spec_aux_hidden_state.py)",
     captures_last_layer=False,
     help="EAGLE-3: LlamaForCausalLMEagle3, layer ids in eagle_config in SGLang's convention (= draftsmith's: "
-    "output of layer i), d2t as offsets; DFlash: SpecForge's DFlashDraftModel folder; distilled: the "
-    "transformers directory (STANDALONE)"))  # fmt: skip
+    "output of layer i), d2t as offsets; distilled: the transformers directory (STANDALONE)"))  # fmt: skip
 SPECULATORS = register_engine(Engine(
     "speculators", "speculators format",
     "speculators 0.9.0 (Eagle3SpeculatorConfig, Eagle3DraftModel.save_pretrained); vLLM 0.33.0 configs/speculators",
-    help="EAGLE-3: Eagle3Speculator, the speculators format vLLM's docs point to (vLLM's conventions); "
-    "P-EAGLE: PEagleSpeculator; DFlash: DFlashSpeculator",
+    help="EAGLE-3: Eagle3Speculator, the speculators format vLLM's docs point to (vLLM's conventions)",
     refuses={"causal_lm": "the speculators format holds EAGLE-3 heads; a distilled draft is an ordinary causal "
              "LM: export it with --to vllm (vLLM's draft_model method loads the transformers directory)"},
 ))  # fmt: skip
 GGUF = register_engine(Engine(
     "gguf", "llama.cpp", "llama.cpp from the llama-cpp-python 0.3.36 sdist (llama-server, run by the tests)",
-    help="one GGUF file for llama.cpp / LM Studio: an EAGLE-3 head in its eagle3 architecture or a DFlash "
-    "draft in its dflash architecture (both need the target's GGUF, --target-gguf), or a distilled Llama draft",
+    help="one GGUF file for llama.cpp / LM Studio: an EAGLE-3 head in its eagle3 architecture (needs the target's "
+    "GGUF, --target-gguf) or a distilled Llama draft",
     file_suffix=".gguf", captures_last_layer=False,
 ))  # fmt: skip
 REFERENCE_EAGLE3 = register_engine(Engine(

@@ -50,7 +50,8 @@ def usage(card):
     return ["### vLLM", "", f"vllm serve {card.base_model} --toy-draft {card.repo_id}", ""]
 
 
-register_family("toy", VLLM, write, usage, (architecture_is("ToyDraft"), checked("toy draft", problems)))
+register_family("toy", VLLM, write, usage, (architecture_is("ToyDraft"), checked("toy draft", problems)),
+                help="Toy: ToyDraft")
 '''
 
 
@@ -69,7 +70,7 @@ def toy_kind(tmp_path, monkeypatch):
         yield
     finally:
         base._KINDS.pop("toy", None)
-        for table in (VLLM.writers, VLLM.usages, VLLM.verifiers):
+        for table in (VLLM.writers, VLLM.usages, VLLM.verifiers, VLLM.family_help):
             table.pop("toy", None)
         for name in ("draftsmith.drafts.toykind", "draftsmith.export.toykind_export"):
             sys.modules.pop(name, None)
@@ -90,6 +91,11 @@ def toy_run(tmp_path):
 
 def test_a_kind_from_its_own_files_and_one_registry_line(toy_kind, toy_run, tmp_path, capsys):
     assert base.draft_kind("toy").family.name == "toy" and "toy" in base.kind_names()
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Toy: ToyDraft" in help_text.split("--to sglang")[0]  # its line, in vLLM's paragraph
+    assert "toy hf, vllm" in help_text  # and where it goes
 
     out = tmp_path / "vllm"
     assert main(["export", str(toy_run), "--to", "vllm", "--out", str(out)]) == 0

@@ -13,7 +13,7 @@ from draftsmith.draft_checkpoint import DraftCheckpoint, locate_checkpoint
 from draftsmith.drafts.base import draft_kind, kind_names
 from draftsmith.drafts.engines import export_engines
 from draftsmith.export import check_out, export_checkpoint, import_peer_head
-from draftsmith.export.engines import engine_names, refusal
+from draftsmith.export.engines import engine_names, load_kind_exports, refusal
 
 INTRO = """\
 Export a draft checkpoint (a `draftsmith train` run directory, its draft/ directory, or a Hub id) in
@@ -33,9 +33,10 @@ def _wrapped(first: str, text: str, indent: int = 20) -> list[str]:
 
 def description() -> str:
     """The engines (what each writes, what it refuses, the version checked) and where each kind goes."""
+    load_kind_exports()  # each kind adds its line to the engines it goes to
     lines = [INTRO, "", "Engines:"]
     for engine in export_engines():
-        lines += _wrapped(f"  --to {engine.name}", engine.help)
+        lines += _wrapped(f"  --to {engine.name}", "; ".join([engine.help, *engine.family_help.values()]))
         lines += _wrapped("", f"checked against {engine.checked}")
         for family, why in engine.refuses.items():
             lines += _wrapped("", f"refuses a {family} draft: {why}")

@@ -57,11 +57,14 @@ def write_sglang(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Pa
 
 
 IS_VLLM_FOLDER = (architecture_is(DFLASH_ARCHITECTURE), checked("DFlash draft", verify_dflash_vllm))
-register_family(DFLASH, VLLM, write_vllm, vllm_usage, IS_VLLM_FOLDER)
-register_family(DFLASH, SGLANG, write_sglang, sglang_usage, IS_VLLM_FOLDER)
+register_family(DFLASH, VLLM, write_vllm, vllm_usage, IS_VLLM_FOLDER, help="DFlash: DFlashDraftModel")
+register_family(DFLASH, SGLANG, write_sglang, sglang_usage, IS_VLLM_FOLDER,
+                help="DFlash: SpecForge's DFlashDraftModel folder")  # fmt: skip
 register_family(
     DFLASH, SPECULATORS, write_dflash_speculators,
     verifier=(lambda config: config.get("speculators_model_type") == DFLASH_TYPE,
               checked("DFlash draft (speculators format)", verify_dflash_speculators)),
+    help="DFlash: DFlashSpeculator",
 )  # fmt: skip
-register_family(DFLASH, GGUF, gguf_dflash.write_dflash, gguf_dflash.usage)
+register_family(DFLASH, GGUF, gguf_dflash.write_dflash, gguf_dflash.usage,
+                help="DFlash: its dflash architecture (needs the target's GGUF, --target-gguf)")  # fmt: skip

@@ -82,5 +82,7 @@ def verify_dspark_vllm(folder: Path) -> list[str]:
 register_family(
     DSPARK, VLLM, write_vllm, vllm_usage,
     (architecture_is(DSPARK_ARCHITECTURE), checked("DSpark draft", verify_dspark_vllm)),
+    help=f"DSpark: {DSPARK_ARCHITECTURE} (vLLM's V2 model runner, which its CPU build lacks)",
 )  # fmt: skip
-register_family(DSPARK, GGUF, gguf_dflash.write_dflash, gguf_dflash.usage)
+register_family(DSPARK, GGUF, gguf_dflash.write_dflash, gguf_dflash.usage,
+                help="DSpark: DFlash's architecture with the Markov head (needs the target's GGUF)")  # fmt: skip

@@ -67,10 +67,14 @@ def register_family(
     writer: Writer,
     usage: Usage | None = None,
     verifier: tuple[Recognise, Verifier] | None = None,
+    help: str | None = None,
 ) -> None:
     """Put a family's work for ``engine`` on the engine's record: its writer, its card section (None: the
-    engine's own), its verifier as (recognise the export's config.json, check it) (None: the engine's own)."""
+    engine's own), its verifier as (recognise the export's config.json, check it) (None: the engine's own),
+    its line of ``export --help`` ("DFlash: DFlashDraftModel")."""
     engine.writers[family] = writer
+    if help is not None:
+        engine.family_help[family] = help
     if usage is not None:
         engine.usages[family] = usage
     if verifier is not None:

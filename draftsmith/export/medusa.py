@@ -112,4 +112,5 @@ def vllm_usage(card: CardContext) -> list[str]:
 register_family(
     MEDUSA, VLLM, write_medusa, vllm_usage,
     (architecture_is(MEDUSA_ARCHITECTURE), checked("Medusa heads", verify_medusa_vllm)),
+    help=f"Medusa: {MEDUSA_ARCHITECTURE}",
 )  # fmt: skip

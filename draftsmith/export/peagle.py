@@ -87,14 +87,17 @@ def vllm_usage(card: CardContext) -> list[str]:
     return serve_section(card, '"method": "eagle3", "parallel_drafting": true', k)
 
 
-register_family(PEAGLE, VLLM, write_eagle, vllm_usage)
+register_family(PEAGLE, VLLM, write_eagle, vllm_usage,
+                help="P-EAGLE: EAGLE-3's layout plus mask_hidden and mask_token_id, served with parallel_drafting")  # fmt: skip
 register_family(
     PEAGLE, SPECULATORS,
     partial(write_speculators, architecture=SPECULATORS_ARCHITECTURE, algorithm=SPECULATORS_PARALLEL_ALGORITHM),
     verifier=(lambda config: config.get("speculators_model_type") == SPECULATORS_PARALLEL_ALGORITHM,
               checked("P-EAGLE head (speculators format)", verify_speculators)),
+    help=f"P-EAGLE: {SPECULATORS_ARCHITECTURE}",
 )  # fmt: skip
 register_family(
     PEAGLE, SGLANG, write_sglang,
     verifier=(architecture_is(SGLANG_ARCHITECTURE), checked("P-EAGLE head", verify_peagle_sglang)),
+    help=f"P-EAGLE: SpecForge's {SGLANG_ARCHITECTURE} folder",
 )  # fmt: skip
