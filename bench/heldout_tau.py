@@ -12,7 +12,8 @@ one, and its accepted length recorded. Two averages are printed:
 Held-out rows come from an offline EAGLE run's feature cache (``--cache RUN/feature_cache/heldout``;
 heads must capture the layers it holds) or from a run's recipe (``--recipe RUN/config.yaml``: the
 same held-out split as training, the teacher computed by a target forward; EAGLE and distill drafts, and
-DFlash / DSpark drafts of any recipe, walked block by block as DFlash's validation walks them).
+DFlash / DSpark drafts of any recipe, walked block by block as DFlash's validation walks them, P-EAGLE heads
+a chain per forward as P-EAGLE's validation walks them).
 
 With ``--decode N`` (``--cache`` only), the first N single-turn held-out conversations are also
 decoded for real (``decode.speculative.generate`` with the head as drafter and packed CPU kernels, as
@@ -46,7 +47,16 @@ from tqdm.auto import tqdm
 from draftsmith.decode.cpu_kernels import pack_for_decoding
 from draftsmith.decode.target import load_target
 from draftsmith.drafts import build_drafter
-from draftsmith.drafts.base import DFLASH, DISTILL, DSPARK, EAGLE1, EAGLE3, PEER_DFLASH, kind_of_checkpoint
+from draftsmith.drafts.base import (
+    DFLASH,
+    DISTILL,
+    DSPARK,
+    EAGLE1,
+    EAGLE3,
+    PEAGLE,
+    PEER_DFLASH,
+    kind_of_checkpoint,
+)
 from draftsmith.eval.report import hardware_description
 from draftsmith.eval.stats import AcceptanceStats
 from draftsmith.train.config import load_config
@@ -131,6 +141,20 @@ def block_objective(kind: str, path: str, target):
     if draft.has_own_head:  # its head's rows and their target ids are the draft's, not recounted here
         objective.d2t = draft.d2t.cpu()
     return objective, draft.float().eval()
+
+
+def parallel_objective(path: str, target):
+    """(objective, head) for a P-EAGLE head at ``path``: the objective built to the head's own shape (layers, taps,
+    parallel depths, mask token), so its ``chain_lengths`` drafts each chain in one forward exactly as training's
+    validation does; the head's own vocabulary map scores its tokens (the objective's is never read)."""
+    from draftsmith.drafts.eagle import load_head
+
+    head = load_head(target, path, "a P-EAGLE head").float().eval()
+    c = head.config
+    options = {"num_layers": c.num_decoder_layers, "capture_layer_ids": list(c.capture_layer_ids),
+               "parallel_depths": c.parallel_depths, "mask_token_id": c.mask_token_id,
+               "draft_vocab_size": c.vocab_size}  # fmt: skip
+    return build_objective(PEAGLE, target, options), head
 
 
 def own_head(path: str, target, scratch: Path | None) -> str:
@@ -255,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         head_kind = kind_of_checkpoint(path).name if (Path(path) / "config.json").is_file() else None
         if head_kind in BLOCK_KINDS:  # judged by its own kind, whatever the recipe trained
             objective, draft = block_objective(head_kind, path, target)
+        elif head_kind == PEAGLE:
+            objective, draft = parallel_objective(path, target)
         else:
             if not args.recipe:
                 kind = json.loads((Path(path) / "config.json").read_text()).get("preset", EAGLE3)

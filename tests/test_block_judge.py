@@ -54,3 +54,30 @@ def test_the_judge_walks_a_peers_dflash_as_the_same_draft_saved_by_draftsmith(tm
     assert all(torch.equal(a, b) for a, b in zip(peer_walk, own_walk))
     # the map matters: a judge that read the head's rows as the target's first 64 ids would draft other tokens
     assert not torch.equal(own_logits.argmax(-1), own_ids)
+
+
+def test_the_judge_walks_a_saved_peagle_head_as_its_training_validated_it(tmp_path):
+    """A P-EAGLE head with a reduced vocabulary, trained on the target's own continuations, saved and read back by
+    the judge, walks exactly as the objective that trained it walks the head in memory (one forward per chain, its
+    own vocabulary map), and accepts drafts."""
+    from heldout_tau import parallel_objective
+    from test_eagle import make_teacher, self_distilled_batch, train
+
+    from draftsmith.drafts.base import PEAGLE
+
+    target = tiny_target("llama", layers=4)
+    batch = self_distilled_batch(target)
+    counts = torch.bincount(batch.input_ids[batch.loss_mask.bool()], minlength=target.vocab_size)
+    trained = build_objective(PEAGLE, target, {"parallel_depths": 4, "draft_vocab_size": 200}, counts)
+    teacher = make_teacher(target, batch, trained.capture_layers, 64)
+    head, _, _ = train(trained, batch, teacher, steps=60)
+    trained.save(head.eval(), tmp_path / "draft")
+
+    objective, saved = parallel_objective(str(tmp_path / "draft"), target)
+    assert objective.capture_layers == trained.capture_layers
+    judged = objective.chain_lengths(saved, batch, teacher, 4)
+    own = trained.chain_lengths(head, batch, teacher, 4)
+    assert all(torch.equal(a, b) for a, b in zip(judged, own)) and int(own[0].sum()) > 0
+    # the map matters: read through the target's first 200 ids instead, the chains differ
+    saved.d2t.copy_(torch.arange(200))
+    assert not torch.equal(objective.chain_lengths(saved, batch, teacher, 4)[0], own[0])
