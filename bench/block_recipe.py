@@ -104,11 +104,15 @@ def spread(values: list[float]) -> tuple[float | None, float | None]:
     )
 
 
-def dev_rows(report: dict | None) -> dict[str, dict]:
-    """Draft name (the run folder's name) -> its row of a ``vllm_engine.py`` report's draftsmith side."""
-    if report is None:
-        return {}
-    return {name.split(":", 1)[-1]: row for name, row in report["draftsmith"].items()}
+def dev_rows(reports: dict[Path, dict]) -> dict[str, dict]:
+    """Draft name (the run folder's name; a peer's ``NAME (DFlash)``) -> its row of the ``vllm_engine.py``
+    reports' draftsmith side, from the first report that holds it, with ``report`` naming that run (each draft's
+    speedup is against the target alone of its own interleaved run)."""
+    rows: dict[str, dict] = {}
+    for path, report in reports.items():
+        for name, row in report["draftsmith"].items():
+            rows.setdefault(name.split(":", 1)[-1], {**row, "report": str(path)})
+    return rows
 
 
 def kind_of(draft: str) -> str:
@@ -125,14 +129,16 @@ def main() -> None:
     p.add_argument("--judge", nargs="*", type=Path, default=[],
                    help="bench/heldout_tau.py --recipe quickstart's JSON of the runs' heads: their held-out τ "
                    "by the judge the peers get (else their training's last validation)")  # fmt: skip
-    p.add_argument("--dev", type=Path, help="bench/vllm_engine.py --no-vllm's JSON of the same drafts")
+    p.add_argument("--dev", nargs="*", type=Path, default=[],
+                   help="bench/vllm_engine.py --no-vllm's JSON of the same drafts (several: separate interleaved "
+                   "runs, a draft's row from the first that holds it)")  # fmt: skip
     p.add_argument("--out", default="bench/results/block_recipe.json")
     args = p.parse_args()
     runs = runs_of(args.records)
     judged(runs, args.judge)
     runs |= peer_runs(args.peers)
-    dev_report = json.loads(args.dev.read_text()) if args.dev else None
-    dev = dev_rows(dev_report)
+    dev_reports = {path: json.loads(path.read_text()) for path in args.dev}
+    dev = dev_rows(dev_reports)
     drafts = sorted({r["draft"] for r in runs.values()})
     summary = []
     print(f"\n{'draft':<20} {'seeds':>5} {'held-out τ':>15}  {'dev τ':>6} {'by position (dev)':<28} "
@@ -149,23 +155,22 @@ def main() -> None:
                         "dev_tau": [row["tau"]] if row else [],
                         "dev": None if row is None else {key: row.get(key) for key in (
                             "k", "tau", "per_position", "draft_ms_per_step", "speedup", "speedup_bound",
-                            "tau_to_break_even", "exact_match")}})  # fmt: skip
+                            "tau_to_break_even", "exact_match", "report")}})  # fmt: skip
         held = f"{mean:.3f} ± {sd:.3f}" if sd is not None else f"{mean:.3f}"
         by_pos = " ".join("-" if x is None else f"{x:.2f}" for x in (row or {}).get("per_position", [])[:5])
         print(f"{draft:<20} {len(mine):>5} {held:>15}  {(row or {}).get('tau', float('nan')):>6.3f} {by_pos:<28} "
               f"{(row or {}).get('draft_ms_per_step', float('nan')):>8.1f} {(row or {}).get('speedup', float('nan')):>5.2f} "
               f"{(row or {}).get('speedup_bound') or float('nan'):>5.2f}")  # fmt: skip
-    if dev_report:
+    for path, dev_report in dev_reports.items():
         alone = dev_report["draftsmith"].get("alone", {})
         s = dev_report["settings"]
-        print(f"dev: {s['num_prompts']} prompts ({s['prompts']}, {s['order']}), {s['max_new_tokens']} new tokens, "
-              f"target alone {alone.get('tokens_per_s', float('nan')):.1f} tok/s; commit "
+        print(f"dev {path}: {s['num_prompts']} prompts ({s['prompts']}, {s['order']}), {s['max_new_tokens']} new "
+              f"tokens, target alone {alone.get('tokens_per_s', float('nan')):.1f} tok/s; commit "
               f"{dev_report['provenance']['commit']}")  # fmt: skip
     write_json(args.out, {"provenance": provenance(), "tokens": TOKENS, "records": [str(r) for r in args.records + args.peers],
                           "judge": [str(r) for r in args.judge],
-                          "dev_report": None if args.dev is None else str(args.dev),
-                          "dev_settings": None if dev_report is None else dev_report["settings"],
-                          "dev_provenance": None if dev_report is None else dev_report["provenance"],
+                          "dev_reports": {str(path): {"settings": r["settings"], "provenance": r["provenance"]}
+                                          for path, r in dev_reports.items()},
                           "runs": runs, "summary": summary})  # fmt: skip
 
 
