@@ -432,3 +432,33 @@ def test_the_first_screen_holds_draftsmiths_lines_not_lightnings_or_datasets_pas
     with caplog.at_level(logging.INFO):
         make_trainer(config, tmp_path / "run", enable_progress_bar=False)  # quiet runs keep Lightning's lines
     assert "GPU available" in caplog.text
+
+
+def test_the_last_screen_ends_the_bar_before_lightnings_lines_and_drops_what_draftsmith_says(
+    tiny_target_dir, conversations, tmp_path, capsys, caplog
+):
+    """The training bar is closed at its last step (a line Lightning logs as fit stops starts a line of its own),
+    the notice that fit stopped at max_steps (draftsmith's summary says the steps) is dropped, and on a machine
+    without CUDA DeepSpeed's "Setting accelerator to CPU" too; any other notice of those loggers stays."""
+    from types import SimpleNamespace
+
+    from draftsmith.train.infra.progress import SAID_ALREADY, StepProgress
+
+    config = make_config(tiny_target_dir, conversations, tmp_path / "run", "--trainer.max_steps=3")
+    with caplog.at_level(logging.INFO):
+        train(config)
+    assert "`Trainer.fit` stopped" not in caplog.text + capsys.readouterr().err
+    progress = StepProgress()
+    trainer = SimpleNamespace(is_global_zero=True, max_steps=2, global_step=0, progress_bar_metrics={})
+    progress.on_train_start(trainer, None)
+    for step in (1, 2):
+        trainer.global_step = step
+        progress.on_train_batch_end(trainer, None, None, None, step - 1)
+        assert (progress.bar is None) == (step == 2)  # closed at the last step, before fit's loop ends
+    lightning = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    with caplog.at_level(logging.INFO):
+        lightning.info("`Trainer.fit` stopped: `max_time=...` reached.")  # a stop worth saying stays
+        logging.getLogger("DeepSpeed").warning("Setting accelerator to CPU. If you have GPU ...")
+    assert "max_time" in caplog.text
+    assert ("Setting accelerator to CPU" in caplog.text) == torch.cuda.is_available()
+    assert set(SAID_ALREADY) == {"lightning.pytorch.utilities.rank_zero", "DeepSpeed"}

@@ -67,7 +67,7 @@ from draftsmith.train.infra.faults import (
 )
 from draftsmith.train.infra.loggers import build_loggers, where
 from draftsmith.train.infra.preflight import preflight, record_recipe_change
-from draftsmith.train.infra.progress import StepProgress
+from draftsmith.train.infra.progress import StepProgress, quiet_said_already
 from draftsmith.train.infra.resume import ExactResume
 from draftsmith.train.infra.shard_target import check_shard_target
 from draftsmith.train.module import DraftModule
@@ -189,6 +189,7 @@ def make_trainer(config: TrainConfig, output_dir: Path, **overrides) -> L.Traine
     show_progress = overrides.pop("enable_progress_bar", True)
     if show_progress:
         callbacks.append(StepProgress())  # in place of Lightning's per-epoch bars
+        quiet_said_already()
     kwargs = dict(
         max_steps=t.max_steps,
         num_nodes=t.num_nodes,

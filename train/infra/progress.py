@@ -6,8 +6,39 @@ the sampler restarts the data as often as needed), so they read "Epoch 49/-2 ...
 
 from __future__ import annotations
 
+import logging
+
 import lightning as L
+import torch
 from tqdm.auto import tqdm
+
+SAID_ALREADY = {
+    "lightning.pytorch.utilities.rank_zero": "`Trainer.fit` stopped: `max_steps=",
+    "DeepSpeed": "Setting accelerator to CPU",
+}
+"""Logger -> the start of a notice draftsmith's own lines already give: the run ending at the steps it was
+sized in (its summary: "trained N steps"); DeepSpeed falling back to the CPU on a machine without CUDA,
+printed when a checkpoint is first saved ("training on cpu")."""
+
+
+class _Drop(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
+def quiet_said_already() -> None:
+    """Drop the notices of ``SAID_ALREADY`` (once per process; DeepSpeed's only where CUDA is absent, as its
+    hint about an undetected GPU would otherwise matter)."""
+    for name, start in SAID_ALREADY.items():
+        logger = logging.getLogger(name)
+        if name == "DeepSpeed" and torch.cuda.is_available():
+            continue
+        if not any(isinstance(f, _Drop) and f.start == start for f in logger.filters):
+            logger.addFilter(_Drop(start))
 
 
 class StepProgress(L.Callback):
@@ -30,6 +61,8 @@ class StepProgress(L.Callback):
                  ("train/loss", "val/tau")}  # fmt: skip
         if shown:
             self.bar.set_postfix(shown, refresh=False)
+        if trainer.global_step >= trainer.max_steps:  # closed before Lightning says why fit stops
+            self.on_train_end(trainer, module)
 
     def on_train_end(self, trainer, module) -> None:
         if self.bar is not None:
