@@ -61,7 +61,7 @@ def streams_of(stream: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
 def dflash_oracle(stream: torch.Tensor, vocab: int, shift: int):
     """``block_logits`` of a draft whose slot i (1..Q-1) of the block at anchor a drafts token a+i+shift."""
 
-    def block_logits(draft, batch, teacher, anchors, keep):
+    def block_logits(draft, batch, teacher, anchors, keep, walk=False):
         at = anchors[..., None] + torch.arange(1, BLOCK) + shift  # [B, N, Q-1]
         tokens = streams_of(stream, batch.input_ids).gather(1, at.flatten(1))
         return one_hot(tokens.view_as(at), vocab)
