@@ -8,6 +8,7 @@ packing, optimiser, schedule, batch and steps, so the same 409,600 training posi
   dflash-L{1,2}-b{8,16}  DFlash, 1 or 2 layers, blocks of 8 or 16, the same 8,192-token draft vocabulary
   peagle            P-EAGLE, 1 layer, 8 tokens per forward, the same draft vocabulary
   dflash-L1-b8-{a512,dpace}, dflash-L3-b8   the DFlash recipe's one-change ablations (every anchor, D-PACE, 3 layers)
+  dflash-L1-b8-a512-{dpace,fullhead}   one change each on the default (D-PACE; the target's frozen full LM head)
   dspark-L1-b8[-a512]  DSpark: dflash-L1-b8 (or -a512) with a rank-32 Markov head (trained and judged by draftsmith only: vLLM's
                     CPU build cannot serve DSpark; llama.cpp can, tests/test_llamacpp_dspark.py)
 
@@ -85,6 +86,22 @@ DRAFTS = {  # the first runs pin the 64 anchors DFlash defaulted to when they ra
             "markov_rank": 32,
             "anchors_per_row": 64,
         },
+    },
+    # one change each on the new default (dflash-L1-b8-a512), where speculators' tuned DFlash (D-PACE, the target's
+    # frozen full LM head) drew level with it
+    "dflash-L1-b8-a512-dpace": {  # D-PACE slot weights
+        "kind": "dflash",
+        "options": {
+            "num_layers": 1,
+            "block_size": 8,
+            "draft_vocab_size": VOCAB,
+            "anchors_per_row": 512,
+            "slot_weighting": "dpace",
+        },  # fmt: skip
+    },
+    "dflash-L1-b8-a512-fullhead": {  # the target's LM head, frozen, over its whole vocabulary (the peers' head)
+        "kind": "dflash",
+        "options": {"num_layers": 1, "block_size": 8, "anchors_per_row": 512},
     },
     "dspark-L1-b8-a512": {  # the two one-change keepers together: DSpark's Markov head on every anchor
         "kind": "dspark",
