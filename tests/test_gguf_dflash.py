@@ -107,7 +107,9 @@ def test_a_draft_reading_layers_out_of_order_is_refused(drafts, tmp_path):
         dflash_gguf.write_dflash_gguf(config, draft.state_dict(), tmp_path / "d.gguf", drafts["target_gguf"])
 
 
-def test_the_verifier_knows_a_draft_architecture_from_the_kind_that_registers_it(drafts, tmp_path, monkeypatch):
+def test_the_verifier_knows_a_draft_architecture_from_the_kind_that_registers_it(
+    drafts, tmp_path, monkeypatch
+):
     """The dflash check lives with the kind (gguf_dflash.py registers it); the engine's verifier knows only what
     is registered, and names it when refusing."""
     from draftsmith.export import gguf_verify
@@ -117,3 +119,7 @@ def test_the_verifier_knows_a_draft_architecture_from_the_kind_that_registers_it
     monkeypatch.delitem(gguf_verify._ARCHITECTURES, dflash_gguf.DFLASH_ARCH)
     (problem,) = verify_gguf(file)
     assert "got 'dflash'" in problem and "'eagle3' (an EAGLE-3 head)" in problem
+    with pytest.raises(ValueError, match="registered already"):  # one record per name
+        gguf_verify.register_architecture(
+            gguf_verify.DraftArchitecture("eagle3", "another", (), lambda d: ({}, []))
+        )

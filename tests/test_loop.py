@@ -442,7 +442,7 @@ def test_the_last_screen_ends_the_bar_before_lightnings_lines_and_drops_what_dra
     without CUDA DeepSpeed's "Setting accelerator to CPU" too; any other notice of those loggers stays."""
     from types import SimpleNamespace
 
-    from draftsmith.train.infra.progress import SAID_ALREADY, StepProgress
+    from draftsmith.train.infra.progress import StepProgress
 
     config = make_config(tiny_target_dir, conversations, tmp_path / "run", "--trainer.max_steps=3")
     with caplog.at_level(logging.INFO):
@@ -461,4 +461,3 @@ def test_the_last_screen_ends_the_bar_before_lightnings_lines_and_drops_what_dra
         logging.getLogger("DeepSpeed").warning("Setting accelerator to CPU. If you have GPU ...")
     assert "max_time" in caplog.text
     assert ("Setting accelerator to CPU" in caplog.text) == torch.cuda.is_available()
-    assert set(SAID_ALREADY) == {"lightning.pytorch.utilities.rank_zero", "DeepSpeed"}

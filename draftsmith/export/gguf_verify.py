@@ -71,7 +71,10 @@ _ARCHITECTURES: dict[str, DraftArchitecture] = {}
 
 
 def register_architecture(arch: DraftArchitecture) -> DraftArchitecture:
-    """Make a draft architecture known to ``verify_gguf`` (its writer's module calls this at import)."""
+    """Make a draft architecture known to ``verify_gguf`` (its writer's module calls this at import); one record
+    per name."""
+    if _ARCHITECTURES.get(arch.name, arch) is not arch:
+        raise ValueError(f"a GGUF draft architecture named {arch.name!r} is registered already")
     _ARCHITECTURES[arch.name] = arch
     return arch
 
