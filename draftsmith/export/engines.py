@@ -71,7 +71,7 @@ def register_family(
 ) -> None:
     """Put a family's work for ``engine`` on the engine's record: its writer, its card section (None: the
     engine's own), its verifier as (recognise the export's config.json, check it) (None: the engine's own),
-    its line of ``export --help`` ("DFlash: DFlashDraftModel")."""
+    its line of ``export --help`` ("Kind: the class the engine loads")."""
     engine.writers[family] = writer
     if help is not None:
         engine.family_help[family] = help
