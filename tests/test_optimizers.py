@@ -9,6 +9,7 @@ from test_loop import QUIET, Probe, conversations, make_config, tiny_target_dir 
 from torch import nn
 
 from draftsmith.train.loop import train
+from draftsmith.train import optimizers
 from draftsmith.train.optimizers import MuonAdamW, adamw_groups, build_optimizer, muon_split
 from draftsmith.train.schema import OptimConfig
 
@@ -43,7 +44,8 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_embeddings_readouts_vector
     assert {id(p) for p in rest} == {id(p) for n, p in model.named_parameters()} - {id(p) for p in muon}
 
 
-def test_it_steps_schedules_and_resumes_exactly_as_muon_and_adamw_apart():
+def test_it_steps_schedules_and_resumes_exactly_as_muon_and_adamw_apart(monkeypatch):
+    monkeypatch.setattr(optimizers, "bf16_matmul_is_slow", lambda params: False)  # torch's Muon, unchanged
     o = OptimConfig(name="muon", lr=1e-2, muon_lr=2e-2, weight_decay=0.01)
 
     def apart():
@@ -78,6 +80,39 @@ def test_it_steps_schedules_and_resumes_exactly_as_muon_and_adamw_apart():
         got = together(stop_at).state_dict()
         assert all(torch.equal(got[k], reference[k]) for k in reference), stop_at
     assert not torch.equal(reference["layer.weight"], Head().layer.weight)
+
+
+def test_where_bf16_products_are_slow_muon_orthogonalises_in_float32_rounded_as_bf16(monkeypatch):
+    """A CPU without bf16 matrix instructions: Muon's Newton-Schulz products run in float32, each result rounded
+    to bf16, which is torch's bf16 iteration up to the order of summation; torch's own is back after the step."""
+    import torch.optim._muon as torch_muon
+
+    own = torch_muon._zeropower_via_newtonschulz
+    torch.manual_seed(0)
+    for shape in ((24, 40), (40, 24)):  # wide, and tall (orthogonalised transposed)
+        grad = torch.randn(shape)
+        reference = own(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
+        got = optimizers.newton_schulz_bf16(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        assert got.dtype == torch.bfloat16 and got.shape == grad.shape
+        assert (got.float() - reference).abs().max() <= 0.04 * reference.abs().max()  # as far as float32 is
+        wrong = optimizers.newton_schulz_bf16(grad, (3.4445, -4.7750, 2.0315), 1, 1e-7)  # one step: far off
+        assert (wrong.float() - reference).abs().max() > 0.3 * reference.abs().max()
+
+    calls, emulated = [], optimizers.newton_schulz_bf16
+
+    def spy(grad, *args):
+        calls.append(grad.shape)
+        return emulated(grad, *args)
+
+    monkeypatch.setattr(optimizers, "newton_schulz_bf16", spy)
+    for slow in (True, False):
+        monkeypatch.setattr(optimizers, "bf16_matmul_is_slow", lambda params, slow=slow: slow)
+        model, calls[:] = Head(), []
+        optimizer = build_optimizer(model, list(model.named_parameters()), OptimConfig(name="muon", lr=1e-2))
+        loss_of(model, 0).backward()
+        optimizer.step()
+        assert sorted(calls) == (sorted([model.fc.weight.shape, model.layer.weight.shape]) if slow else [])
+        assert torch_muon._zeropower_via_newtonschulz is own  # restored
 
 
 def test_a_checkpoint_of_another_optimizer_and_a_draft_without_matrices_are_refused():
