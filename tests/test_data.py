@@ -271,11 +271,12 @@ def convo_file(tmp_path):
     return write_jsonl(tmp_path / "c.jsonl", records)
 
 
-def test_build_dataset_skips_conversations_without_assistant_tokens(convo_file, caplog):
-    with caplog.at_level(logging.WARNING, logger="draftsmith.train.corpus.tokens"):
-        ds = build_dataset([convo_file], tiny_tokenizer(), max_length=256)
+def test_build_dataset_skips_conversations_without_assistant_tokens(convo_file, capsys):
+    ds = build_dataset([convo_file], tiny_tokenizer(), max_length=256)
     assert len(ds) == 9 and set(ds.column_names) == {"input_ids", "loss_mask"}
-    assert "skipped 1 of 10" in caplog.text
+    said = capsys.readouterr().out  # in the render stage's line
+    assert "[draftsmith] data: render + mask: 10 conversations -> 9 rows" in said
+    assert "skipped 1 of 10 rendered rows with no assistant tokens" in said
     assert all(any(m) for m in ds["loss_mask"])
     again = build_dataset([convo_file], tiny_tokenizer(), max_length=256)
     other = build_dataset([convo_file], tiny_tokenizer(), max_length=256, seed=1)

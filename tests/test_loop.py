@@ -434,6 +434,42 @@ def test_the_first_screen_holds_draftsmiths_lines_not_lightnings_or_datasets_pas
     assert "GPU available" in caplog.text
 
 
+def test_a_run_shows_one_line_per_data_stage_and_no_loading_bars_before_training(
+    tiny_target_dir, tmp_path, capfd
+):
+    """What ``draftsmith train`` shows before its training bar, as a terminal shows it (the text after each
+    carriage return): draftsmith's lines only, one per data stage (read, render + mask, pack, the dataset
+    cache) with what each skipped in its own line; no bar of datasets' or of transformers' weight loading, no
+    logged notice."""
+    data = tmp_path / "convs.jsonl"
+    rows = [{"conversations": [{"from": "human", "value": f"count {i}"}, {"from": "gpt", "value": f"{i} {i + 1}"}]}
+            for i in range(12)]  # fmt: skip
+    rows.append({"conversations": [{"from": "gpt", "value": "an answer to nothing"}]})  # skipped on reading
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = make_config(tiny_target_dir, data, tmp_path / "run", "--trainer.max_steps=1", "--data.pack=true")
+    capfd.readouterr()
+    train(config)
+    out, err = capfd.readouterr()
+
+    def shown(text: str) -> list[str]:
+        return [s for line in text.split("\n") if (s := line.split("\r")[-1].strip())]
+
+    before = shown(out)[: next(i for i, line in enumerate(shown(out)) if line.startswith("[draftsmith] training on"))]
+    assert len(before) == 4 and [line.split(":")[1].strip() for line in before[:3]] == ["read", "render + mask", "pack"], before
+    assert before[0].startswith("[draftsmith] data: read: 12 conversations") and "skipped 1 conversations" in before[0]
+    assert before[1].startswith("[draftsmith] data: render + mask: 12 conversations -> 12 rows")
+    assert "rows rendered into the dataset cache" in before[3]
+    assert not [line for line in shown(err) if not line.startswith("train")], err
+    import transformers
+
+    from draftsmith.train.infra.progress import quiet_loading
+
+    assert transformers.utils.logging.is_progress_bar_enabled()
+    with quiet_loading():
+        assert not transformers.utils.logging.is_progress_bar_enabled()
+    assert transformers.utils.logging.is_progress_bar_enabled()  # restored
+
+
 def test_the_last_screen_ends_the_bar_before_lightnings_lines_and_drops_what_draftsmith_says(
     tiny_target_dir, conversations, tmp_path, capsys, caplog
 ):

@@ -67,7 +67,7 @@ from draftsmith.train.infra.faults import (
 )
 from draftsmith.train.infra.loggers import build_loggers, where
 from draftsmith.train.infra.preflight import preflight, record_recipe_change
-from draftsmith.train.infra.progress import StepProgress, quiet_said_already
+from draftsmith.train.infra.progress import StepProgress, quiet_loading, quiet_said_already
 from draftsmith.train.infra.resume import ExactResume
 from draftsmith.train.infra.shard_target import check_shard_target
 from draftsmith.train.module import DraftModule
@@ -257,6 +257,7 @@ def train(
     and the last good checkpoint; nothing non-finite is checkpointed or exported.
     """
     output_dir = Path(config.output.dir)
+    quiet_said_already()  # before the target loads: DeepSpeed's CPU notice comes with its first import
     check_shard_target(config, planned_rank(config.trainer)[2])
     check_strategy(config.trainer)
     resolved = resolve_auto_precision(config)
@@ -324,9 +325,7 @@ def _train_locked(
         files.remove_stale(output_dir, DRAFT_DIR)  # ... or while exporting the draft
     L.seed_everything(config.trainer.seed, workers=True, verbose=False)
     if target is None:
-        target = _load_target(
-            config, whole=config.mode != "offline"
-        )  # offline: layers only if the capture runs
+        target = _load_target(config, whole=config.mode != "offline")  # offline: layers only if the capture runs
     train_ds, heldout_ds = prepare_datasets(config, target.tokenizer, rank)
     pad_id = pad_id_of(target.tokenizer)
 
@@ -422,6 +421,7 @@ def _train_locked(
     return result
 
 
+@quiet_loading()  # transformers' bar over the weights: the load is said by draftsmith's lines around it
 def _load_target(config: TrainConfig, whole: bool) -> Target:
     """The configured target; with ``whole`` False a skeleton (``load_target_skeleton``: the embedding, final
     norm and LM head read from its safetensors, the layers never materialised), or the whole target where its

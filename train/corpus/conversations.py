@@ -18,6 +18,7 @@ import datasets
 
 from draftsmith.files import json_error, open_text, read_jsonl
 from draftsmith.sources import DataSourceError, HubSource, expand_sources, parse_source
+from draftsmith.train.infra.progress import StageLine
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +282,7 @@ def shape_of_columns(columns: Sequence[str]) -> str | None:
     return None
 
 
-def load_conversations(paths: Sequence[str | Path]) -> datasets.Dataset:
+def load_conversations(paths: Sequence[str | Path], stage: StageLine | None = None) -> datasets.Dataset:
     """Load conversation sources (JSON/JSONL files or patterns of them, ``builtin:`` names, ``hf:`` datasets) into a Dataset
     with columns ``messages``, ``cut_replies`` and ``tool_calls`` (``stored``; ``restored`` gives the messages).
 
@@ -289,8 +290,9 @@ def load_conversations(paths: Sequence[str | Path]) -> datasets.Dataset:
     messages ``data regenerate`` cut at max_new_tokens (indices into ``messages``): the reply is the target's
     own, the end of turn after it is not, and ``tokens.render`` learns the one and not the other. A record
     from before the list was written has only the count ``truncated_replies``; it is kept when the count
-    says which replies were cut (all of them), else skipped and counted in the log. Skipped too: records
-    with no messages left after dropping leading assistant turns (see ``iter_conversations``).
+    says which replies were cut (all of them), else skipped and counted. Skipped too: records with no
+    messages left after dropping leading assistant turns (see ``iter_conversations``). What is skipped is
+    said in ``stage``'s line where one shows the reading (``train/infra/progress.StageLine``), else logged.
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
@@ -307,17 +309,25 @@ def load_conversations(paths: Sequence[str | Path]) -> datasets.Dataset:
                 unclear += 1
             else:
                 rows.append(stored(messages, cut))
+            if stage is not None:
+                stage.update()
+    skipped = []
     if empty:
-        logger.warning("skipped %d conversations that held only assistant turns", empty)
+        skipped.append(f"skipped {empty} conversations that held only assistant turns")
     if unclear:
-        logger.warning(
-            "skipped %d conversations flagged truncated_replies with no cut_replies list, so which reply was cut "
-            "at max_new_tokens is not known (written by an older `draftsmith data regenerate`; rerun it into a "
-            "new file to keep them)",
-            unclear,
+        skipped.append(
+            f"skipped {unclear} conversations flagged truncated_replies with no cut_replies list, so which reply "
+            "was cut at max_new_tokens is not known (written by an older `draftsmith data regenerate`; rerun it "
+            "into a new file to keep them)"
         )
     if not rows:
-        raise ValueError(f"no usable conversations in {', '.join(map(str, paths))} (see the warnings above)")
+        why = "; ".join(skipped) or "they hold no conversation"
+        raise ValueError(f"no usable conversations in {', '.join(map(str, paths))}: {why}")
+    for text in skipped:
+        if stage is None:
+            logger.warning(text)
+        else:
+            stage.note(text)
     return datasets.Dataset.from_list(rows, features=MESSAGES_FEATURES)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from draftsmith.loading import tokenizer_fingerprint
 from draftsmith.train.corpus.conversations import Message, load_conversations, restored, with_system
+from draftsmith.train.infra.progress import StageLine
 from draftsmith.train.objective import Batch
 
 logger = logging.getLogger(__name__)
@@ -212,56 +213,58 @@ def build_dataset(
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2 tokens, got {max_length}")
     check_chat_template(tokenizer)
-    convs = load_conversations(paths).shuffle(seed=seed)
-    if limit is not None:
-        convs = convs.select(range(min(limit, len(convs))))
+    with StageLine("data", "read", unit="conversations") as read:
+        convs = load_conversations(paths, stage=read).shuffle(seed=seed)
+        if limit is not None:
+            convs = convs.select(range(min(limit, len(convs))))
+        read.done(f"{len(convs):,} conversations" + (f" (data.limit {limit:,})" if limit is not None else ""))
     args = json.dumps(template_args or {}, sort_keys=True)
     key = f"{convs._fingerprint}|{tokenizer_fingerprint(tokenizer)}|{max_length}|{system}|{args}"
 
-    def render_batch(batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {"input_ids": [], "loss_mask": [], UNCALLED: []}
-        for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
-            messages = restored(row)
-            shift = len(with_system(messages, system)) - len(messages)
-            cut = [i + shift for i in row["cut_replies"]]
-            uncalled: list[int] = []
-            parts = render(with_system(messages, system), tokenizer, max_length, cut, template_args, uncalled)
-            for k, part in enumerate(parts):
-                out["input_ids"].append(part["input_ids"])
-                out["loss_mask"].append(part["loss_mask"])
-                out[UNCALLED].append(0 if k else len(uncalled))
-        return out
+    with StageLine("data", "render + mask", total=len(convs), unit="conversations") as stage:
 
-    rendered = convs.map(
-        render_batch,
-        batched=True,
-        batch_size=64,
-        remove_columns=convs.column_names,
-        features=datasets.Features({**ROW_FEATURES, UNCALLED: datasets.Value("int32")}),
-        desc="render + mask",
-        num_proc=1,
-        new_fingerprint=_hash("render", key, UNCALLED),
-    )
-    # counted from the stored column, so a render read back from the dataset cache says it again
-    uncalled = pc.sum(rendered.data.column(UNCALLED)).as_py() or 0  # Arrow's sum, no Python list of rows
-    rendered = rendered.remove_columns(UNCALLED)
-    if uncalled:
-        logger.warning(
-            "%d assistant turns with tool calls are context only, not trained on: the chat template of %s "
-            "renders them without their calls, so their text is not what the target wrote. To train on tool "
-            "calls, give a template that renders them (--target.chat_template=FILE)",
-            uncalled,
-            _name(tokenizer),
-        )
-    with quiet_datasets():  # a quick pass: the line below says what it dropped
-        kept = rendered.filter(lambda mask: any(mask), input_columns="loss_mask", desc="drop no-assistant")
-    if len(kept) < len(rendered):
-        logger.warning(
-            "skipped %d of %d rendered rows with no assistant tokens (none present, or all past max_length=%d)",
-            len(rendered) - len(kept),
-            len(rendered),
-            max_length,
-        )
+        def render_batch(batch: dict[str, list]) -> dict[str, list]:
+            out: dict[str, list] = {"input_ids": [], "loss_mask": [], UNCALLED: []}
+            for row in (dict(zip(batch, values)) for values in zip(*batch.values())):
+                messages = restored(row)
+                shift = len(with_system(messages, system)) - len(messages)
+                cut = [i + shift for i in row["cut_replies"]]
+                uncalled: list[int] = []
+                parts = render(with_system(messages, system), tokenizer, max_length, cut, template_args, uncalled)
+                for k, part in enumerate(parts):
+                    out["input_ids"].append(part["input_ids"])
+                    out["loss_mask"].append(part["loss_mask"])
+                    out[UNCALLED].append(0 if k else len(uncalled))
+                stage.update()
+            return out
+
+        with quiet_datasets():  # the stage's own line instead of datasets' bars (render, drop, ...)
+            rendered = convs.map(
+                render_batch,
+                batched=True,
+                batch_size=64,
+                remove_columns=convs.column_names,
+                features=datasets.Features({**ROW_FEATURES, UNCALLED: datasets.Value("int32")}),
+                new_fingerprint=_hash("render", key, UNCALLED),
+            )
+            # counted from the stored column, so a render read back from the dataset cache says it again
+            uncalled = pc.sum(rendered.data.column(UNCALLED)).as_py() or 0  # Arrow's sum, no Python list of rows
+            rendered = rendered.remove_columns(UNCALLED)
+            kept = rendered.filter(lambda mask: any(mask), input_columns="loss_mask")
+        if uncalled:  # a warning, not a note: it says how to train on them
+            logger.warning(
+                "%d assistant turns with tool calls are context only, not trained on: the chat template of %s "
+                "renders them without their calls, so their text is not what the target wrote. To train on "
+                "tool calls, give a template that renders them (--target.chat_template=FILE)",
+                uncalled,
+                _name(tokenizer),
+            )
+        if len(kept) < len(rendered):
+            stage.note(
+                f"skipped {len(rendered) - len(kept)} of {len(rendered)} rendered rows with no assistant tokens "
+                f"(none present, or all past max_length={max_length})"
+            )
+        stage.done(f"{len(convs):,} conversations -> {len(kept):,} rows")
     return pack_rows(kept, max_length, seed) if pack else kept
 
 
@@ -300,26 +303,29 @@ def pack_rows(rendered: datasets.Dataset, max_length: int, seed: int = 0) -> dat
         bins[b].append(idx)
         bisect.insort(free, (room - lengths[idx], b))
 
-    def merge(batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {"input_ids": [], "loss_mask": [], "position_ids": []}
-        for members in batch["members"]:
-            parts = rendered[members]
-            out["input_ids"].append([t for ids in parts["input_ids"] for t in ids])
-            out["loss_mask"].append([t for mask in parts["loss_mask"] for t in mask])
-            out["position_ids"].append([p for ids in parts["input_ids"] for p in range(len(ids))])
-        return out
-
     members = datasets.Dataset.from_dict({"members": bins})
-    packed = members.map(
-        merge,
-        batched=True,
-        batch_size=256,
-        remove_columns=["members"],
-        features=PACKED_FEATURES,
-        desc="pack",
-        num_proc=1,
-        new_fingerprint=_hash("pack", f"{rendered._fingerprint}|{max_length}"),
-    )
+    with StageLine("data", "pack", total=len(bins), unit="rows") as stage:
+
+        def merge(batch: dict[str, list]) -> dict[str, list]:
+            out: dict[str, list] = {"input_ids": [], "loss_mask": [], "position_ids": []}
+            for indices in batch["members"]:
+                parts = rendered[indices]
+                out["input_ids"].append([t for ids in parts["input_ids"] for t in ids])
+                out["loss_mask"].append([t for mask in parts["loss_mask"] for t in mask])
+                out["position_ids"].append([p for ids in parts["input_ids"] for p in range(len(ids))])
+                stage.update()
+            return out
+
+        with quiet_datasets():
+            packed = members.map(
+                merge,
+                batched=True,
+                batch_size=256,
+                remove_columns=["members"],
+                features=PACKED_FEATURES,
+                new_fingerprint=_hash("pack", f"{rendered._fingerprint}|{max_length}"),
+            )
+        stage.done(f"{len(rendered):,} rows -> {len(bins):,} rows of at most {max_length} tokens")
     return packed.shuffle(seed=seed)
 
 
