@@ -2,11 +2,10 @@
 AdamW on the rest (speculators' default), the pair as one torch optimizer so that Lightning's loop, gradient
 clipping, learning-rate schedule and checkpoints treat it as they treat AdamW.
 
-torch's Muon orthogonalises each update in bfloat16. A CPU with no bf16 matrix instructions (an AVX2-only
-EPYC: no AVX-512, no AMX) runs those products through a slow fallback, 40-100x slower than float32 (a 576 x 1,536
-update: 5.5 s against 0.11 s; a block drafter's step of the 0.4M-token recipe took 30 s there instead of about 4).
-There the same iteration runs its products in float32 and rounds each result to bf16 (``newton_schulz_bf16``), as a
-bf16 matrix unit accumulates in float32 and rounds once."""
+torch's Muon orthogonalises each update in bfloat16. A CPU with no bf16 matrix instructions (no AVX512-BF16,
+no AMX; ``loading.bf16_is_fast``) runs those products through a slow fallback (BENCHMARKS.md, training throughput:
+``bench/muon_orthogonalise.py``). There the same iteration runs its products in float32 and rounds each result
+to bf16 (``newton_schulz_bf16``), as a bf16 matrix unit accumulates in float32 and rounds once."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ import torch
 import torch.optim._muon as torch_muon
 from torch import nn
 
+from draftsmith.loading import bf16_is_fast
 from draftsmith.train.schema import OptimConfig
 
 MUON_EXCLUDED = ("embed", "lm_head", "wte", "word_embeddings")
@@ -72,10 +72,10 @@ def newton_schulz_bf16(
 
 
 def bf16_matmul_is_slow(params: list[nn.Parameter]) -> bool:
-    """Whether torch's bf16 products over ``params`` would take the CPU's slow fallback: every one on the CPU,
-    and oneDNN has no bf16 kernel for this CPU."""
-    on_cpu = all(p.device.type == "cpu" for p in params)
-    return on_cpu and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """Whether torch's bf16 products over ``params`` are slower than float32 ones: on a device where
+    ``bf16_is_fast`` says no (the rule ``auto`` precision follows), such as a CPU without bf16 matrix
+    instructions."""
+    return not all(bf16_is_fast(p.device) for p in params)
 
 
 @contextlib.contextmanager
