@@ -39,29 +39,61 @@ import yaml
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 VOCAB = 8192
-DRAFTS = {  # the first runs pin the 64 anchors DFlash defaulted to when they ran (now every anchor: 512)
+# Every block drafter names its anchors and slot weighting, so a setting keeps meaning what it was trained with
+# when a default moves (anchors 64 -> 512, then decay -> D-PACE); tests/test_block_judge.py checks it.
+DRAFTS = {
     "eagle3": None,  # the quickstart's own draft section
     "dflash-L1-b8": {
         "kind": "dflash",
-        "options": {"num_layers": 1, "block_size": 8, "draft_vocab_size": VOCAB, "anchors_per_row": 64},
+        "options": {
+            "slot_weighting": "decay",
+            "num_layers": 1,
+            "block_size": 8,
+            "draft_vocab_size": VOCAB,
+            "anchors_per_row": 64,
+        },
     },
     "dflash-L2-b8": {
         "kind": "dflash",
-        "options": {"num_layers": 2, "block_size": 8, "draft_vocab_size": VOCAB, "anchors_per_row": 64},
+        "options": {
+            "slot_weighting": "decay",
+            "num_layers": 2,
+            "block_size": 8,
+            "draft_vocab_size": VOCAB,
+            "anchors_per_row": 64,
+        },
     },
     "dflash-L1-b16": {
         "kind": "dflash",
-        "options": {"num_layers": 1, "block_size": 16, "draft_vocab_size": VOCAB, "anchors_per_row": 64},
+        "options": {
+            "slot_weighting": "decay",
+            "num_layers": 1,
+            "block_size": 16,
+            "draft_vocab_size": VOCAB,
+            "anchors_per_row": 64,
+        },
     },
     "dflash-L2-b16": {
         "kind": "dflash",
-        "options": {"num_layers": 2, "block_size": 16, "draft_vocab_size": VOCAB, "anchors_per_row": 64},
+        "options": {
+            "slot_weighting": "decay",
+            "num_layers": 2,
+            "block_size": 16,
+            "draft_vocab_size": VOCAB,
+            "anchors_per_row": 64,
+        },
     },
     "peagle": {"kind": "peagle", "options": {"parallel_depths": 8, "draft_vocab_size": VOCAB}},
     # the DFlash recipe's ablations (issue "Block drafters that hold their own"), one change each on dflash-L1-b8
     "dflash-L1-b8-a512": {  # every valid anchor of a 512-token row, as the peers draw up to 512 a sequence
         "kind": "dflash",
-        "options": {"num_layers": 1, "block_size": 8, "draft_vocab_size": VOCAB, "anchors_per_row": 512},
+        "options": {
+            "slot_weighting": "decay",
+            "num_layers": 1,
+            "block_size": 8,
+            "draft_vocab_size": VOCAB,
+            "anchors_per_row": 512,
+        },
     },
     "dflash-L1-b8-dpace": {  # D-PACE slot weights instead of the fixed decay (speculators' and ModelOpt's default)
         "kind": "dflash",
@@ -75,7 +107,13 @@ DRAFTS = {  # the first runs pin the 64 anchors DFlash defaulted to when they ra
     },
     "dflash-L3-b8": {  # 3 layers (the peers use 5)
         "kind": "dflash",
-        "options": {"num_layers": 3, "block_size": 8, "draft_vocab_size": VOCAB, "anchors_per_row": 64},
+        "options": {
+            "slot_weighting": "decay",
+            "num_layers": 3,
+            "block_size": 8,
+            "draft_vocab_size": VOCAB,
+            "anchors_per_row": 64,
+        },
     },
     "dspark-L1-b8": {  # dflash-L1-b8 plus DSpark's Markov head (rank 32); vLLM's CPU build cannot serve it
         "kind": "dspark",
@@ -85,6 +123,7 @@ DRAFTS = {  # the first runs pin the 64 anchors DFlash defaulted to when they ra
             "draft_vocab_size": VOCAB,
             "markov_rank": 32,
             "anchors_per_row": 64,
+            "slot_weighting": "decay",
         },
     },
     # one change each on the new default (dflash-L1-b8-a512), where speculators' tuned DFlash (D-PACE, the target's
@@ -101,7 +140,7 @@ DRAFTS = {  # the first runs pin the 64 anchors DFlash defaulted to when they ra
     },
     "dflash-L1-b8-a512-fullhead": {  # the target's LM head, frozen, over its whole vocabulary (the peers' head)
         "kind": "dflash",
-        "options": {"num_layers": 1, "block_size": 8, "anchors_per_row": 512},
+        "options": {"slot_weighting": "decay", "num_layers": 1, "block_size": 8, "anchors_per_row": 512},
     },
     "dspark-L1-b8-a512": {  # the two one-change keepers together: DSpark's Markov head on every anchor
         "kind": "dspark",
@@ -111,6 +150,7 @@ DRAFTS = {  # the first runs pin the 64 anchors DFlash defaulted to when they ra
             "draft_vocab_size": VOCAB,
             "markov_rank": 32,
             "anchors_per_row": 512,
+            "slot_weighting": "decay",
         },  # fmt: skip
     },
 }

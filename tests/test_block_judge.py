@@ -9,7 +9,7 @@ from heldout_tau import block_objective
 from tiny import tiny_target
 
 from draftsmith.draft_checkpoint import locate_checkpoint
-from draftsmith.drafts.base import DFLASH, PEER_DFLASH, kind_of_checkpoint
+from draftsmith.drafts.base import DFLASH, DSPARK, PEER_DFLASH, kind_of_checkpoint
 from draftsmith.export import export_checkpoint
 from draftsmith.train.corpus.tokens import collate
 from draftsmith.train.registry import build_objective
@@ -81,3 +81,15 @@ def test_the_judge_walks_a_saved_peagle_head_as_its_training_validated_it(tmp_pa
     # the map matters: read through the target's first 200 ids instead, the chains differ
     saved.d2t.copy_(torch.arange(200))
     assert not torch.equal(objective.chain_lengths(saved, batch, teacher, 4)[0], own[0])
+
+
+def test_every_block_setting_of_the_bench_names_its_anchors_and_slot_weighting():
+    """A recorded setting keeps meaning what it was trained with when a default moves (DFlash's anchors went
+    64 -> 512, its slot weighting decay -> D-PACE): every DFlash and DSpark draft of bench/block_drafters.py
+    names both."""
+    from block_drafters import DRAFTS
+
+    blocks = {name: spec for name, spec in DRAFTS.items() if spec and spec["kind"] in (DFLASH, DSPARK)}
+    assert len(blocks) >= 10
+    for name, spec in blocks.items():
+        assert {"anchors_per_row", "slot_weighting"} <= set(spec["options"]), name

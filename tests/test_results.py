@@ -318,7 +318,7 @@ def test_a_changed_cell_of_a_headline_table_is_caught():
         "held-out" in p for p in benchmarks_problems(text.replace("**2.226 ± 0.022**", "**2.236 ± 0.022**"))
     )
     assert any("dev" in p for p in benchmarks_problems(text.replace("1.355 ± 0.006", "1.356 ± 0.006")))
-    block = text.replace("**1.627 ± 0.005 (n=3)**", "**1.637 ± 0.005 (n=3)**")
+    block = text.replace("| 1.627 ± 0.005 (n=3) |", "| 1.637 ± 0.005 (n=3) |")
     assert any("block drafters, dflash-L1-b8-a512: held-out" in p for p in benchmarks_problems(block))
     assert any(
         "not in the table" in p for p in benchmarks_problems(text.replace("`speculators (DFlash)`", ""))

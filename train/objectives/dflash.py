@@ -9,11 +9,11 @@ rows hold several) and every slot of itself — exactly what decoding gives it (
 
 Loss. Slot i (1..Q-1) of block a stands in for token a+i: it is scored against the target's next-token
 distribution at a+i-1 (soft CE on the teacher's top-k, renormalised; the default) or the target's
-greedy token there (``hard_labels``), where token a+i is learnt and in a's conversation; slots weigh
-``exp(-(i-1)/gamma)`` (later slots count only when every earlier one was accepted), the mean over slots, or
-with ``slot_weighting: dpace`` their D-PACE weights (arXiv 2605.18810: each slot by the chance, from the
-draft's own probabilities of the target's tokens, that decoding reaches it and the slots after), summed over
-a block's slots and averaged over blocks.
+greedy token there (``hard_labels``), where token a+i is learnt and in a's conversation; slots weigh their
+D-PACE weights (the default; arXiv 2605.18810: each slot by the chance, from the draft's own probabilities of
+the target's tokens, that decoding reaches it and the slots after), summed over a block's slots and averaged
+over blocks, or with ``slot_weighting: decay`` ``exp(-(i-1)/gamma)`` (later slots count only when every earlier
+one was accepted), the mean over slots.
 """
 
 from __future__ import annotations
@@ -62,14 +62,17 @@ class DFlashOptions:
     target's vocabulary with the target's LM head; on a CPU the LM head is most of a block's cost)."""
     anchors_per_row: Annotated[int, Field(ge=1)] = 512
     """Blocks trained per row and step, at anchors drawn where two learnt tokens follow each other (default:
-    every one of a 512-token row, as the peers draw up to 512 a sequence; at 0.4M tokens held-out τ 1.630 ±
-    0.008 against 1.530 at 64, for about twice the step time on a CPU: BENCHMARKS.md, block drafters)."""
+    every one of a 512-token row, as the peers draw up to 512 a sequence; at 0.4M tokens held-out τ 1.627 ±
+    0.005 against 1.531 at 64, for about twice the step time on a CPU: BENCHMARKS.md, block drafters)."""
     gamma: Annotated[float, Field(gt=0)] | None = None
-    """Slot i's loss weighs exp(-(i-1)/gamma) (default: 4 / 5 / 7 for blocks of 8 / 10 / 16, else Q / 2)."""
-    slot_weighting: Literal["decay", "dpace"] = "decay"
-    """How a block's slots are weighed: decay (gamma's, a weighted mean) or dpace (D-PACE, arXiv 2605.18810: slot
-    i by the chance decoding reaches it and the slots after, from the draft's own probability of the target's
-    token at each slot; summed over a block's slots, averaged over blocks; gamma unused)."""
+    """With slot_weighting decay, slot i's loss weighs exp(-(i-1)/gamma) (default: 4 / 5 / 7 for blocks of 8 / 10 /
+    16, else Q / 2)."""
+    slot_weighting: Literal["decay", "dpace"] = "dpace"
+    """How a block's slots are weighed: dpace (D-PACE, arXiv 2605.18810: slot i by the chance decoding reaches it
+    and the slots after, from the draft's own probability of the target's token at each slot; summed over a
+    block's slots, averaged over blocks; gamma unused; the default: at 0.4M tokens held-out τ 1.691 ± 0.001 (2
+    seeds) against 1.627 ± 0.005 with decay, dev τ 1.295 against 1.230: BENCHMARKS.md, block drafters) or decay
+    (gamma's, a weighted mean)."""
     dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5
     """D-PACE's floor α of a slot's chance (slot_weighting: dpace): q̃ = (1 - α)·q + α; at 1 every valid slot
     counts fully (slot i weighs the valid slots from i on)."""

@@ -10,7 +10,7 @@ there whenever the chain is still being accepted.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field
@@ -29,6 +29,9 @@ from draftsmith.train.schema import SECTION
 class DSparkOptions(DFlashOptions):
     """``draft.options`` of ``dspark``: DFlash's, and the Markov head's rank."""
 
+    slot_weighting: Literal["decay", "dpace"] = "decay"
+    """How a block's slots are weighed (as DFlash's option); DSpark's default stays decay, the weighting its
+    measured default was trained with (D-PACE, DFlash's default, is not yet measured on DSpark)."""
     markov_rank: Annotated[int, Field(ge=1, le=MAX_MARKOV_RANK)] = 32
     """Rank r of the Markov head (its factors: the target's vocabulary x r and the draft vocabulary x r)."""
 
