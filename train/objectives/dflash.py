@@ -70,7 +70,7 @@ class DFlashOptions:
     slot_weighting: Literal["decay", "dpace"] = "dpace"
     """How a block's slots are weighed: dpace (D-PACE, arXiv 2605.18810: slot i by the chance decoding reaches it
     and the slots after, from the draft's own probability of the target's token at each slot; summed over a
-    block's slots, averaged over blocks; gamma unused; the default: at 0.4M tokens held-out τ 1.691 ± 0.001 (2
+    block's slots, averaged over blocks; gamma unused; the default: at 0.4M tokens held-out τ 1.691 ± 0.001 (3
     seeds) against 1.627 ± 0.005 with decay, dev τ 1.295 against 1.230: BENCHMARKS.md, block drafters) or decay
     (gamma's, a weighted mean)."""
     dpace_alpha: Annotated[float, Field(gt=0, le=1)] = 0.5
