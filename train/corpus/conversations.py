@@ -313,10 +313,10 @@ def load_conversations(paths: Sequence[str | Path], stage: StageLine | None = No
                 stage.update()
     skipped = []
     if empty:
-        skipped.append(f"skipped {empty} conversations that held only assistant turns")
+        skipped.append(f"skipped {empty:,} conversations that held only assistant turns")
     if unclear:
         skipped.append(
-            f"skipped {unclear} conversations flagged truncated_replies with no cut_replies list, so which reply "
+            f"skipped {unclear:,} conversations flagged truncated_replies with no cut_replies list, so which reply "
             "was cut at max_new_tokens is not known (written by an older `draftsmith data regenerate`; rerun it "
             "into a new file to keep them)"
         )

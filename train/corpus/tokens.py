@@ -261,8 +261,8 @@ def build_dataset(
             )
         if len(kept) < len(rendered):
             stage.note(
-                f"skipped {len(rendered) - len(kept)} of {len(rendered)} rendered rows with no assistant tokens "
-                f"(none present, or all past max_length={max_length})"
+                f"skipped {len(rendered) - len(kept):,} of {len(rendered):,} rendered rows with no assistant tokens: "
+                f"none present, or all past max_length={max_length}"
             )
         stage.done(f"{len(convs):,} conversations -> {len(kept):,} rows")
     return pack_rows(kept, max_length, seed) if pack else kept
