@@ -8,7 +8,8 @@ packing, optimiser, schedule, batch and steps, so the same 409,600 training posi
   dflash-L{1,2}-b{8,16}  DFlash, 1 or 2 layers, blocks of 8 or 16, the same 8,192-token draft vocabulary
   peagle            P-EAGLE, 1 layer, 8 tokens per forward, the same draft vocabulary
   dflash-L1-b8-{a512,dpace}, dflash-L3-b8   the DFlash recipe's one-change ablations (every anchor, D-PACE, 3 layers)
-  dflash-L1-b8-a512-{dpace,fullhead}   one change each on the default (D-PACE; the target's frozen full LM head)
+  dflash-L1-b8-a512-{dpace,fullhead}   one change each on dflash-L1-b8-a512 (D-PACE, now DFlash's default; the
+                    target's frozen full LM head)
   dspark-L1-b8[-a512]  DSpark: dflash-L1-b8 (or -a512) with a rank-32 Markov head (trained and judged by draftsmith only: vLLM's
                     CPU build cannot serve DSpark; llama.cpp can, tests/test_llamacpp_dspark.py)
 

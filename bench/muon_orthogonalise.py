@@ -64,7 +64,12 @@ def main() -> None:
                          "float32_rounded_ms": median_ms(newton_schulz_bf16, grad, args.repeats)})  # fmt: skip
         bf16 = sum(r["torch_bf16_ms"] for r in rows)
         emulated = sum(r["float32_rounded_ms"] for r in rows)
-        kinds[kind] = {"options": options, "matrices": rows, "torch_bf16_ms": bf16, "float32_rounded_ms": emulated}
+        kinds[kind] = {
+            "options": options,
+            "matrices": rows,
+            "torch_bf16_ms": bf16,
+            "float32_rounded_ms": emulated,
+        }
         print(f"{kind:<8}{len(rows):>9}{bf16:>15.0f}{emulated:>20.0f}{bf16 / emulated:>8.1f}")
     used = "torch's bf16" if bf16_is_fast("cpu") else "float32-rounded"
     print(f"training here orthogonalises with {used} products (loading.bf16_is_fast)")

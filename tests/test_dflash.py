@@ -534,7 +534,9 @@ def self_trained(kind: str, target, directory, prompts: int = 4, new: int = 48, 
 
 def self_trained_dflash(target, directory, **options) -> SelfTrained:
     """``self_trained`` for a DFlash draft (48 blocks per row, the fixed slot decay)."""
-    return self_trained("dflash", target, directory, **{"anchors_per_row": 48, "slot_weighting": "decay", **options})
+    return self_trained(
+        "dflash", target, directory, **{"anchors_per_row": 48, "slot_weighting": "decay", **options}
+    )
 
 
 @pytest.mark.slow

@@ -8,8 +8,8 @@ import torch
 from test_loop import QUIET, Probe, conversations, make_config, tiny_target_dir  # noqa: F401  (fixtures)
 from torch import nn
 
-from draftsmith.train.loop import train
 from draftsmith.train import optimizers
+from draftsmith.train.loop import train
 from draftsmith.train.optimizers import MuonAdamW, adamw_groups, build_optimizer, muon_split
 from draftsmith.train.schema import OptimConfig
 

@@ -325,7 +325,8 @@ def _train_locked(
         files.remove_stale(output_dir, DRAFT_DIR)  # ... or while exporting the draft
     L.seed_everything(config.trainer.seed, workers=True, verbose=False)
     if target is None:
-        target = _load_target(config, whole=config.mode != "offline")  # offline: layers only if the capture runs
+        # offline: the target's layers only if the capture runs
+        target = _load_target(config, whole=config.mode != "offline")
     train_ds, heldout_ds = prepare_datasets(config, target.tokenizer, rank)
     pad_id = pad_id_of(target.tokenizer)
 

@@ -230,7 +230,9 @@ def build_dataset(
                 shift = len(with_system(messages, system)) - len(messages)
                 cut = [i + shift for i in row["cut_replies"]]
                 uncalled: list[int] = []
-                parts = render(with_system(messages, system), tokenizer, max_length, cut, template_args, uncalled)
+                parts = render(
+                    with_system(messages, system), tokenizer, max_length, cut, template_args, uncalled
+                )
                 for k, part in enumerate(parts):
                     out["input_ids"].append(part["input_ids"])
                     out["loss_mask"].append(part["loss_mask"])
@@ -247,8 +249,9 @@ def build_dataset(
                 features=datasets.Features({**ROW_FEATURES, UNCALLED: datasets.Value("int32")}),
                 new_fingerprint=_hash("render", key, UNCALLED),
             )
-            # counted from the stored column, so a render read back from the dataset cache says it again
-            uncalled = pc.sum(rendered.data.column(UNCALLED)).as_py() or 0  # Arrow's sum, no Python list of rows
+            # counted from the stored column (Arrow's sum, no Python list of rows), so a render read back from
+            # the dataset cache says it again
+            uncalled = pc.sum(rendered.data.column(UNCALLED)).as_py() or 0
             rendered = rendered.remove_columns(UNCALLED)
             kept = rendered.filter(lambda mask: any(mask), input_columns="loss_mask")
         if uncalled:  # a warning, not a note: it says how to train on them
