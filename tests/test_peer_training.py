@@ -263,6 +263,23 @@ def test_draftsmiths_steps_see_the_budgets_rows_or_one_conversation_each():
     assert online_steps(False, 4, budget) == 482
 
 
+def test_a_draftsmith_run_stopped_part_way_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """A long budget outlives a session: run again, draftsmith's side goes on from the last checkpoint in its
+    folder instead of training from step 0 (and overwriting what the stopped run saved)."""
+    sys.path.insert(0, str(REPO / "bench" / "peers"))
+    import draftsmith_run
+
+    calls = []
+    monkeypatch.setattr(draftsmith_run, "train", lambda config, **kw: calls.append(kw) or "result")
+    run = tmp_path / "run"
+    assert draftsmith_run.train_or_resume("config", run, []) == ("result", None)
+    assert (calls[-1]["resume"], calls[-1]["overwrite"]) == (False, True)  # nothing saved yet: afresh
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"a whole checkpoint")  # an empty file is a cut write
+    assert draftsmith_run.train_or_resume("config", run, []) == ("result", run / "checkpoints" / "last.ckpt")
+    assert (calls[-1]["resume"], calls[-1]["overwrite"]) == (True, False)
+
+
 def test_a_setting_is_any_pipelines_run_with_its_own_overrides(tmp_path):
     name, overrides = common.parse_setting(
         "specforge-lr3e4:training.learning_rate=3e-4,training.batch_size=2"

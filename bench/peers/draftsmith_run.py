@@ -7,6 +7,9 @@ process, so the optimizer steps can be timed and the final validation read back.
 overrides: ``trainer.max_steps`` from the token budget (the steps whose rows the bench gave the
 peers, in the same order), ``trainer.max_time=null`` (the budget, not the clock, ends the run) and
 the output folder. Everything else is the quickstart recipe (online: the target runs in every step).
+An online run that finds a checkpoint of its own in its folder (a run stopped part way: a session's end,
+a scheduler's SIGTERM) resumes from it, exactly (``train(resume=True)``); its step marks then cover the
+steps after the resume only.
 
 ``--override KEY=VALUE`` (repeatable) changes the recipe for an ablation (``optim.lr=1e-4``, ...).
 With another ``trainer.batch_size`` the run takes as many steps as see the same number of rows; with
@@ -39,6 +42,7 @@ import torch
 from driver import driver_args, record_steps, write_result
 
 from draftsmith.train.config import load_config
+from draftsmith.train.infra.checkpoint import resume_point
 from draftsmith.train.loop import train
 from draftsmith.train.objective import Batch
 
@@ -102,6 +106,18 @@ def train_from_cache(config, cache: Path, work: Path, callbacks: list) -> tuple[
     return trainer.global_step, {**val, "precision": config.trainer.precision, "target_dtype": tc.dtype}
 
 
+def train_or_resume(config, run: Path, callbacks: list):
+    """(``train``'s result, the checkpoint it resumed from or None): a run stopped part way (a session's end,
+    a scheduler's SIGTERM) goes on from the last checkpoint in its folder ``run``; otherwise it starts afresh."""
+    resumed_from = resume_point(run)
+    if resumed_from is not None:
+        print(f"draftsmith_run: resuming from {resumed_from}", flush=True)
+    result = train(
+        config, resume=resumed_from is not None, overwrite=resumed_from is None, callbacks=callbacks
+    )
+    return result, resumed_from
+
+
 def online_steps(pack: bool, batch_size: int, budget: dict) -> int:
     """Optimizer steps of an online run at the bench's budget: packed rows, as many as the bench gave the peers
     the conversations of (its ``draftsmith_steps`` at its ``batch_size``), at this run's batch size; unpacked
@@ -120,6 +136,7 @@ def main() -> int:
     config = load_config(base, ablation)
     counter = StepTokens()
     marks = record_steps()
+    resumed_from = None
     if args.offline:
         from draftsmith.train.feature_dataset import FeatureCache
 
@@ -137,9 +154,9 @@ def main() -> int:
         overrides = [*ablation, f"--trainer.max_steps={steps}", "--trainer.max_time=null",
                      f"--output.dir={args.out / 'run'}"]  # fmt: skip
         config = load_config(base, overrides)
-        result = train(config, overwrite=True, callbacks=[counter])
+        result, resumed_from = train_or_resume(config, args.out / "run", [counter])
         taken, heldout, head = result.steps, result.val, result.draft_dir
-    write_result(args.out, marks, head, heldout=heldout, steps=taken, overrides=overrides,
+    write_result(args.out, marks, head, heldout=heldout, steps=taken, overrides=overrides, resumed_from=resumed_from,
                  step_tokens=counter.tokens[: len(marks)], step_positions=counter.positions[: len(marks)])  # fmt: skip
     return 0
 
