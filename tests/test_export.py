@@ -246,6 +246,16 @@ def test_speculators_export_writes_what_vllm_reads(eagle_heads, tmp_path):
         verify_export(out, "speculators")
 
 
+def test_an_eagle3_export_is_checked_as_eagle3_whatever_fields_it_carries(eagle_heads, tmp_path):
+    """The check is the one of the family the folder says it is (speculators' model type), never chosen by
+    sniffing a field: a stray mask_token_id (parallel drafting's field) leaves an EAGLE-3 folder an EAGLE-3
+    head, as vLLM runs it, not one to be checked as P-EAGLE's."""
+    out = export_checkpoint(locate_checkpoint(str(eagle_heads["default"])), "speculators", tmp_path / "s")
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(cfg | {"mask_token_id": 3}))
+    assert verify_export(out, "speculators")
+
+
 def test_reading_layer_ids_in_the_other_convention_gives_other_logits(target, eagle_dir, tmp_path):
     """The check above can fail: the vLLM folder read with SGLang's convention is off by one layer."""
     head = EagleHead.from_pretrained(eagle_dir).eval()

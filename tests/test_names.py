@@ -26,10 +26,13 @@ OTHER_MEANINGS = {
     ("drafts/medusa.py", "medusa"): "transformers' base_model_prefix",
     ("draftsmith/export/medusa.py", "medusa"): "vLLM's model_type and method name",
     ("drafts/dflash_import.py", "dflash"): "speculators' model type of a DFlash draft it wrote",
-    ("draftsmith/export/dflash_speculators.py", "dflash"): "speculators' model type, read by vLLM's update_dflash",
+    (
+        "draftsmith/export/dflash_speculators.py",
+        "dflash",
+    ): "speculators' model type, read by vLLM's update_dflash",
     ("draftsmith/export/gguf_dflash.py", "dflash"): "llama.cpp's architecture name",
     ("draftsmith/llamacpp.py", "dflash"): "llama.cpp's --spec-type draft-dflash",
-    ("draftsmith/export/verify.py", "peagle"): "speculators' algorithm name of a P-EAGLE head, read by vLLM",
+    ("draftsmith/export/peagle.py", "peagle"): "speculators' algorithm name of a P-EAGLE head, read by vLLM",
 }
 """(file, word) -> what the word names there, where it is not draftsmith's kind."""
 

@@ -1,8 +1,9 @@
 """EAGLE-3 heads in the layout vLLM's and SGLang's EAGLE-3 loaders read (see docs/EXPORT.md).
 
-A P-EAGLE head (``drafts/peagle.py``) is the same layout plus ``mask_hidden`` [1, 1, 3·H] (its blocks in
-ascending layer order, as fc's columns) and a top-level ``mask_token_id``: vLLM 0.32 drafts with it when the
-speculative config says ``"parallel_drafting": true``.
+A family that extends the layout passes the config fields it adds (``fields``: a function of the head's
+config.json); a head's optional tensors (``OPTIONAL_WEIGHTS``) are carried where its config sets their field,
+those over the concatenated target states (``mask_hidden`` [1, 1, 3·H] of a head that drafts in parallel, vLLM's
+``input_norm``) with their blocks in ascending layer order, as fc's columns.
 
 Both engines load the reference EAGLE-3 layout (``LlamaForCausalLMEagle3``): ``fc`` fuses the three
 captured target states, one ``midlayer`` whose attention reads ``[input_layernorm(emb),
@@ -19,6 +20,7 @@ the auxiliary layer ids live and what they count.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,7 +53,7 @@ NAME_MAP = {
     "lm_head.weight": "lm_head.weight",
     "d2t": "d2t",
     "t2d": "t2d",
-    "mask_hidden": "mask_hidden",  # P-EAGLE heads only
+    "mask_hidden": "mask_hidden",  # heads that draft in parallel only
     "fuse_norm.weight": "input_norm.weight",  # norm_before_fc heads only (vLLM's name)
 }
 OPTIONAL_WEIGHTS = {"mask_hidden": "mask_token_id", "fuse_norm.weight": "norm_before_fc"}
@@ -212,7 +214,7 @@ def reference_weights(weights: dict[str, torch.Tensor], config: dict, engine: st
 
 
 def layer_names(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Reference EAGLE-3 tensors (``midlayer.*``) under the decoder-list names speculators and SpecForge's P-EAGLE
+    """Reference EAGLE-3 tensors (``midlayer.*``) under the decoder-list names speculators and SpecForge's parallel-drafting
     class use (``layers.0.*``)."""
     return {
         ("layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name): tensor
@@ -242,8 +244,9 @@ def decoder_fields(config: dict) -> dict:
     }
 
 
-def reference_config(config: dict, engine: str, dtype: torch.dtype) -> dict:
-    """The config.json the engine's EAGLE-3 loader reads, with draftsmith's own record alongside."""
+def reference_config(config: dict, engine: str, dtype: torch.dtype, extra: dict | None = None) -> dict:
+    """The config.json the engine's EAGLE-3 loader reads, with the ``extra`` fields a family adds to the layout
+    and draftsmith's own record alongside."""
     out = {
         "architectures": [ARCHITECTURE],
         **decoder_fields(config),
@@ -252,8 +255,7 @@ def reference_config(config: dict, engine: str, dtype: torch.dtype) -> dict:
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     ids = engine_layer_ids(sorted(config["capture_layer_ids"]), engine)
-    if config.get("mask_token_id") is not None:  # P-EAGLE: vLLM's parallel drafting reads mask_token_id
-        out["mask_token_id"] = int(config["mask_token_id"])
+    out |= extra or {}
     if engine == VLLM.name:
         out["eagle_aux_hidden_state_layer_ids"] = ids
         # norm_before_residual written even when false (vLLM once read a missing one as true); the others when
@@ -299,10 +301,16 @@ def write_folder(out: Path, config: dict, weights: dict[str, torch.Tensor]) -> P
     return files.replace_dir(out, fill, keep_others=True)
 
 
-def export_eagle(ckpt: DraftCheckpoint, out: Path, engine: str) -> Path:
-    """Write ``ckpt`` (an EAGLE head) as the folder ``out`` in the reference layout for ``engine`` (vllm, sglang)."""
+def export_eagle(
+    ckpt: DraftCheckpoint, out: Path, engine: str, fields: Callable[[dict], dict] | None = None
+) -> Path:
+    """Write ``ckpt`` (an EAGLE head) as the folder ``out`` in the reference layout for ``engine`` (vllm, sglang),
+    with the config fields a family that extends the layout adds (``fields`` of the head's config)."""
     if not isinstance(ckpt.config.get("capture_layer_ids"), list) or "num_decoder_layers" not in ckpt.config:
         raise ValueError(f"{ckpt.draft_dir} is a {ckpt.kind.title}, not an EAGLE head")
     check_exportable(ckpt.config, engine)
     weights = reference_weights(read_weights(ckpt.draft_dir), ckpt.config, engine)
-    return write_folder(out, reference_config(ckpt.config, engine, weights["fc.weight"].dtype), weights)
+    extra = fields(ckpt.config) if fields else None
+    return write_folder(
+        out, reference_config(ckpt.config, engine, weights["fc.weight"].dtype, extra), weights
+    )

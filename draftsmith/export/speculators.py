@@ -59,18 +59,17 @@ def speculators_config(
     source: dict,
     architecture: str = ARCHITECTURE,
     algorithm: str = ALGORITHM,
+    extra: dict | None = None,
 ) -> dict:
     """config.json of an ``Eagle3Speculator`` checkpoint for the EAGLE head ``config`` (its config.json); a
-    family that speculators stores under another class passes its ``architecture`` and ``algorithm``. A head's
-    ``mask_token_id`` (the token of slots drafted in parallel) is carried top-level."""
+    family that speculators stores under another class passes its ``architecture`` and ``algorithm``, and the
+    fields it adds top-level (``extra``)."""
     target = config["target"]
-    mask = config.get("mask_token_id")
-    extra = {"mask_token_id": int(mask)} if mask is not None else {}
     return {
         "architectures": [architecture],
         "speculators_model_type": algorithm,
         "speculators_version": SCHEMA_VERSION,
-        **extra,
+        **(extra or {}),
         "speculators_config": {
             "algorithm": algorithm,
             "proposal_methods": [
@@ -105,13 +104,17 @@ def write_speculators(
     options: ExportOptions,
     architecture: str = ARCHITECTURE,
     algorithm: str = ALGORITHM,
+    fields=None,
 ) -> Path:
-    """The EAGLE head ``ckpt`` as an ``Eagle3Speculator`` folder (or the ``architecture`` and ``algorithm``
-    a family passes: ``speculators_config``)."""
+    """The EAGLE head ``ckpt`` as an ``Eagle3Speculator`` folder (or the ``architecture``, ``algorithm`` and
+    config ``fields`` of the head's config a family passes: ``speculators_config``)."""
     check_exportable(ckpt.config, SPECULATORS.name)
     weights = reference_weights(read_weights(ckpt.draft_dir), ckpt.config, SPECULATORS.name)
     source = source_record(ckpt.config, SPECULATORS.name)
-    config = speculators_config(ckpt.config, weights["fc.weight"].dtype, source, architecture, algorithm)
+    extra = fields(ckpt.config) if fields else None
+    config = speculators_config(
+        ckpt.config, weights["fc.weight"].dtype, source, architecture, algorithm, extra
+    )
     return write_folder(out, config, layer_names(weights))
 
 

@@ -12,10 +12,15 @@ derived from the exporter, so a mistake in the exporter shows up as a failed che
   Medusa heads and distilled drafts; the generic check for a family that brings none); for vLLM and
   SGLang, a distilled draft's architecture and adapter, then that same check.
 - GGUF: see ``draftsmith.export.gguf_verify.verify_gguf``.
+
+A family that extends an engine's EAGLE-3 layout with fields and tensors of its own (parallel drafting) checks
+them through a ``LayoutExtension`` its export module passes; nothing here recognises a family by its fields.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,8 +48,6 @@ DECODER_INTS = (
 HEAD_INTS = ("target_hidden_size", "draft_vocab_size")
 SPECULATORS_ALGORITHM = "eagle3"
 """``speculators_model_type`` of an EAGLE-3 head in speculators' own config (vLLM reads it)."""
-SPECULATORS_PARALLEL_ALGORITHM = "peagle"
-"""The same of a P-EAGLE head (speculators' ``PEagleSpeculatorConfig``; vLLM maps it to parallel EAGLE-3)."""
 
 # Causal-LM architectures both engines register as draft models (vLLM models/registry.py
 # _TEXT_GENERATION_MODELS, SGLang models/*.py EntryClass), for the tiny families draftsmith tests.
@@ -66,7 +69,23 @@ class ExportVerificationError(ValueError):
     """The folder is not what the engine's loader reads; the message lists every problem."""
 
 
-def _eagle3_expected_shapes(c: dict, engine: str, layer: str = "midlayer.") -> dict[str, tuple[int, ...]]:
+@dataclass(frozen=True)
+class LayoutExtension:
+    """What a family adds to an engine's EAGLE-3 layout, for the checks of it (the plain layout adds nothing)."""
+
+    check: Callable[[dict, int, list[str]], None] = lambda config, vocab_size, problems: None
+    """``(config.json, the vocabulary size, problems)``: append the problems of the fields it adds."""
+    shapes: Callable[[dict], dict[str, tuple[int, ...]]] = lambda config: {}
+    """The tensors it adds and their shapes, from the head's fields (``target_hidden_size``, ...)."""
+
+
+PLAIN = LayoutExtension()
+"""The EAGLE-3 layout as the engine's loader reads an EAGLE-3 head."""
+
+
+def _eagle3_expected_shapes(
+    c: dict, engine: str, layer: str = "midlayer.", extension: LayoutExtension = PLAIN
+) -> dict[str, tuple[int, ...]]:
     """Weight name -> shape, as vLLM's / SGLang's llama_eagle3.py load_weights maps them.
 
     vLLM has a ``draft_id_to_target_id`` parameter for ``d2t`` only when ``draft_vocab_size`` differs
@@ -99,16 +118,7 @@ def _eagle3_expected_shapes(c: dict, engine: str, layer: str = "midlayer.") -> d
         shapes |= {"d2t": (c["draft_vocab_size"],), "t2d": (c["vocab_size"],)}
     if engine == VLLM.name and c.get("norm_before_fc"):  # vLLM's input_norm, one RMSNorm over fc's input
         shapes["input_norm.weight"] = (3 * Ht,)
-    if c.get("mask_token_id") is not None:  # P-EAGLE: vLLM raises without it under parallel drafting
-        shapes["mask_hidden"] = (1, 1, 3 * Ht)
-    return shapes
-
-
-def _check_mask_token(config: dict, vocab_size: int, problems: list[str]) -> None:
-    """A P-EAGLE export's mask token: a token of the vocabulary (vLLM embeds it at every parallel slot)."""
-    mask = config.get("mask_token_id")
-    if mask is not None and not (isinstance(mask, int) and 0 <= mask < vocab_size):
-        problems.append(f"mask_token_id {mask!r} is not a token id of the vocabulary")
+    return shapes | extension.shapes(c)
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -172,8 +182,9 @@ def _check_layer_ids(config: dict, engine: str, problems: list[str]) -> None:
         )
 
 
-def verify_eagle3_engine(folder: Path, engine: str) -> list[str]:
-    """Problems an EAGLE-3 export for vLLM or SGLang has (empty list = loads as trained)."""
+def verify_eagle3_engine(folder: Path, engine: str, extension: LayoutExtension = PLAIN) -> list[str]:
+    """Problems an EAGLE-3 export for vLLM or SGLang has (empty list = loads as trained), with what a family's
+    ``extension`` adds to the layout."""
     config = files.read_json(folder / "config.json", EXPORT_FIX)
     problems: list[str] = []
     if config.get("architectures") != [EAGLE3_ARCHITECTURE]:
@@ -200,13 +211,13 @@ def verify_eagle3_engine(folder: Path, engine: str) -> list[str]:
             f"{engine}'s EAGLE-3 loader reads no norm_before_fc or norm_output; this export sets one"
         )
     _check_layer_ids(config, engine, problems)
-    _check_mask_token(config, config.get("vocab_size") or 0, problems)
+    extension.check(config, config.get("vocab_size") or 0, problems)
     if any(p.startswith("config field") for p in problems):
         return problems
     tensors = _read_tensors(folder)
     if not tensors:
         return problems + ["no *.safetensors weights"]
-    _check_eagle3_tensors(folder, config, engine, problems)
+    _check_eagle3_tensors(folder, config, engine, problems, extension=extension)
     return problems
 
 
@@ -238,14 +249,19 @@ def _check_decoder(c: dict, where: str, problems: list[str]) -> None:
 
 
 def _check_eagle3_tensors(
-    folder: Path, config: dict, engine: str, problems: list[str], layer: str = "midlayer."
+    folder: Path,
+    config: dict,
+    engine: str,
+    problems: list[str],
+    layer: str = "midlayer.",
+    extension: LayoutExtension = PLAIN,
 ) -> None:
     """Exactly the tensors the loader maps, with their shapes, one float dtype and consistent vocab maps."""
     tensors = _read_tensors(folder)
     if not tensors:
         problems.append("no *.safetensors weights")
         return
-    expected = _eagle3_expected_shapes(config, engine, layer)
+    expected = _eagle3_expected_shapes(config, engine, layer, extension)
     for name in sorted(set(expected) - set(tensors)):
         problems.append(f"weight {name} missing")
     for name in sorted(set(tensors) - set(expected)):
@@ -267,16 +283,16 @@ def _check_eagle3_tensors(
         check_vocab_maps(tensors["d2t"], tensors["t2d"], config["vocab_size"], True, problems)
 
 
-def verify_speculators(folder: Path) -> list[str]:
-    """Problems an ``Eagle3Speculator`` export has for vLLM's speculators reader (configs/speculators)."""
+def verify_speculators(
+    folder: Path, algorithm: str = SPECULATORS_ALGORITHM, extension: LayoutExtension = PLAIN
+) -> list[str]:
+    """Problems an ``Eagle3Speculator`` export has for vLLM's speculators reader (configs/speculators), or a
+    family's speculators class stored that way (its ``algorithm``, its ``extension`` of the layout)."""
     config = files.read_json(folder / "config.json", EXPORT_FIX)
     problems: list[str] = []
-    parallel = config.get("mask_token_id") is not None
-    algorithm = SPECULATORS_PARALLEL_ALGORITHM if parallel else SPECULATORS_ALGORITHM
     if config.get("speculators_model_type") != algorithm:
         problems.append(
-            f"speculators_model_type must be {algorithm!r} (a head with{'' if parallel else 'out'} "
-            f"mask_token_id), got {config.get('speculators_model_type')!r}"
+            f"speculators_model_type must be {algorithm!r}, got {config.get('speculators_model_type')!r}"
         )
     spec = config.get("speculators_config") or {}
     methods = spec.get("proposal_methods") or [{}]
@@ -302,12 +318,11 @@ def verify_speculators(folder: Path) -> list[str]:
         if config.get(key):
             problems.append(f"{key} is true, but the head has no such norm")
     _check_layer_ids(config, SPECULATORS.name, problems)
-    _check_mask_token(config, layer.get("vocab_size") or 0, problems)
+    extension.check(config, layer.get("vocab_size") or 0, problems)
     if any(p.startswith("config field") for p in problems):
         return problems
     flat = {**{k: layer[k] for k in DECODER_INTS}, **{k: config[k] for k in HEAD_INTS}}
-    flat["mask_token_id"] = config.get("mask_token_id")
-    _check_eagle3_tensors(folder, flat, SPECULATORS.name, problems, layer="layers.0.")
+    _check_eagle3_tensors(folder, flat, SPECULATORS.name, problems, layer="layers.0.", extension=extension)
     return problems
 
 

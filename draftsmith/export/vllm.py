@@ -14,8 +14,9 @@ from draftsmith.export.engines import CardContext, ExportOptions
 from draftsmith.export.verify import verify_reference_engine
 
 
-def write_eagle(ckpt: DraftCheckpoint, out: Path, options: ExportOptions) -> Path:
-    return export_eagle(ckpt, out, VLLM.name)
+def write_eagle(ckpt: DraftCheckpoint, out: Path, options: ExportOptions, fields=None) -> Path:
+    """The reference EAGLE-3 folder, with the config ``fields`` a family that extends it adds (``export_eagle``)."""
+    return export_eagle(ckpt, out, VLLM.name, fields)
 
 
 def serve_section(card: CardContext, method: str, k: int, exported: bool = True) -> list[str]:
