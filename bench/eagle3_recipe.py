@@ -15,6 +15,12 @@ mixed in.
     python bench/eagle3_recipe.py --record bench/results/eagle3_recipe_400k.json \\
         --peers bench/results/peer_seeds_400k.json bench/results/peer_seeds_400k_muon.json \\
         --dev bench/results/eagle3_dev_400k.json --out bench/results/eagle3_recipe.json
+
+``--larger RECORD ...``: ``bench/peer_training.py`` records at a larger budget (the same data pool and judge;
+several records of one budget, e.g. a seed each, are read as one) that trained the default (``KEEPER`` and its
+``-seedN`` runs) and peers' chosen points (a point's first run name and its ``-seedN`` runs); each point found
+there is a summary row at that budget, its held-out τ from the record's own judge, its dev τ from
+``--larger-dev`` (one interleaved report over those heads, kept apart from the 0.4M heads of the same names).
 """
 
 from __future__ import annotations
@@ -83,6 +89,38 @@ def dev_judge(report: dict | None, path: Path) -> dict | None:
             "speedup": {d["name"]: d["speedup"] for d in report["drafts"]}}  # fmt: skip
 
 
+def seeds_of(first: str, runs: dict) -> list[str]:
+    """``first`` and its ``-seedN`` runs (N = 1, 2, ...) that ``runs`` holds, in seed order."""
+    found = [first] if first in runs else []
+    return found + sorted(
+        (n for n in runs if n.startswith(f"{first}-seed") and n.removeprefix(f"{first}-seed").isdigit()),
+        key=lambda n: int(n.removeprefix(f"{first}-seed")),
+    )
+
+
+def larger_budget_rows(
+    records: list[tuple[Path, dict]], points: list[dict], dev: dict[str, float]
+) -> list[dict]:
+    """Summary rows at each larger budget of ``records`` (path, record): the default and every point of ``points``
+    (the 0.4M summary rows, each named by its first run) that the records trained and judged at that budget."""
+    budgets: dict[int, dict] = {}
+    for path, record in records:
+        judged = {n: r for n, r in record["train"].items() if (r.get("judge") or {}).get("tau")}
+        for name, run in judged.items():
+            budgets.setdefault(record["budget"]["tokens_asked"], {})[name] = (run, str(path))
+    rows = []
+    for tokens, runs in sorted(budgets.items()):
+        for point in points:
+            names = seeds_of(KEEPER if point.get("default") else point["runs"][0], runs)
+            if not names:
+                continue
+            rows.append({"pipeline": point["pipeline"], "setting": point["setting"], "tokens": tokens,
+                         "dev_tau": [dev[n] for n in names if n in dev],
+                         "heldout_tau": [runs[n][0]["judge"]["tau"] for n in names], "runs": names,
+                         "default": bool(point.get("default")), "trained_in": sorted({runs[n][1] for n in names})})  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--record", type=Path, default=Path("bench/results/eagle3_recipe_400k.json"))
@@ -104,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the dev judge: draftsmith eval report.json files over the heads, the first the one interleaved run "
         "of the deciding table, later ones for ablations (greedy τ does not depend on what else ran)",
     )
+    p.add_argument("--larger", type=Path, nargs="*", default=[],
+                   help="peer_training records at a larger token budget (the default and peers' points trained there)")  # fmt: skip
+    p.add_argument("--larger-dev", type=Path, default=None,
+                   help="one interleaved draftsmith eval report.json over the larger budget's heads")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench/results/eagle3_recipe.json"))
     args = p.parse_args(argv)
     record = json.loads(args.record.read_text())
@@ -166,8 +208,16 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 row.update(heldout_tau=entry["heldout_tau"]["values"], reused_from=str(path))
             summary.append(row)
+    larger = [(path, json.loads(path.read_text())) for path in args.larger]
+    larger_dev = {}
+    if args.larger_dev is not None:
+        report = json.loads(args.larger_dev.read_text())
+        for _, record in larger:
+            larger_dev |= dev_taus(report, record["train"])
+    summary += larger_budget_rows(larger, [row for row in summary if row["default"] or row["pipeline"] != "draftsmith"],
+                                  larger_dev)  # fmt: skip
     print(
-        f"\nDeciding table at {tokens:,} tokens (τ, mean ± sd over seeds; dev: {len(dev)} heads judged in one run)"
+        f"\nDeciding table (τ, mean ± sd over seeds; dev: {len(dev)} heads judged in one run at {tokens:,} tokens)"
     )
     for row in summary:
         cells = []
@@ -179,12 +229,15 @@ def main(argv: list[str] | None = None) -> int:
                 if s["n"]
                 else f"{key.split('_')[0]} —"
             )
-        print(f"  {row['pipeline']:12s} {cells[0]:28s} {cells[1]:28s} {' '.join(row['setting'])}")
+        print(
+            f"  {row['tokens']:>9,} {row['pipeline']:12s} {cells[0]:28s} {cells[1]:28s} {' '.join(row['setting'])}"
+        )
     result = {"provenance": provenance(), "record": str(args.record), "tokens": tokens, "judge": "bench/heldout_tau.py "
               "--recipe quickstart --k 5 (40 held-out conversations)", "base": {"run": BASE, "heldout_tau": base, "from": base_from}, "ablations": ablations, "summary": summary,
               "heldout_spread": [spread(row["heldout_tau"]) for row in summary],
               "dev_spread": [spread(row["dev_tau"]) for row in summary], "dev_judge": dev_judge(dev_report, args.dev[0]),
-              "dev_reports": [str(p) for p in args.dev if p.exists()]}  # fmt: skip
+              "dev_reports": [str(p) for p in args.dev if p.exists()], "larger": [str(p) for p in args.larger],
+              "larger_dev_judge": dev_judge(json.loads(args.larger_dev.read_text()), args.larger_dev) if args.larger_dev else None}  # fmt: skip
     write_json(args.out, result)
     return 0
 

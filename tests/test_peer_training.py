@@ -568,3 +568,33 @@ for batch, expected in ((None, 10), (4, 3), (1, 10)):
 print("ok")
 """
     assert "ok" in run_in_peer("specforge", code)
+
+
+def test_the_eagle3_deciding_table_takes_a_larger_budget_per_point(tmp_path):
+    """A larger budget's records (a seed each) become one summary row per point trained there, at that budget,
+    with the records' own judge and the larger dev report's τ; a point not trained there has no row."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from eagle3_recipe import KEEPER, larger_budget_rows
+
+    def record(runs: dict) -> dict:
+        return {"budget": {"tokens_asked": 1638400},
+                "train": {n: {"judge": {"tau": t}} for n, t in runs.items()} | {"x-failed": {"judge": None}}}  # fmt: skip
+
+    points = [{"pipeline": "draftsmith", "setting": ["optim.name=muon"], "runs": ["r0"], "default": True},
+              {"pipeline": "speculators", "setting": ["total-seq-len=1024"], "runs": ["spec", "spec-seed1"]},
+              {"pipeline": "specforge", "setting": ["lr=5e-4"], "runs": ["sf"]}]  # fmt: skip
+    records = [(tmp_path / "a.json", record({KEEPER: 2.4, "spec-seed1": 2.1})),
+               (tmp_path / "b.json", record({f"{KEEPER}-seed1": 2.5, "spec": 2.2, "spec-seed10": 2.0}))]  # fmt: skip
+    rows = larger_budget_rows(records, points, {KEEPER: 1.5, "spec": 1.4})
+    assert [(r["pipeline"], r["tokens"], r["default"]) for r in rows] == [
+        ("draftsmith", 1638400, True),
+        ("speculators", 1638400, False),
+    ]
+    assert rows[0]["runs"] == [KEEPER, f"{KEEPER}-seed1"] and rows[0]["heldout_tau"] == [2.4, 2.5]
+    assert rows[0]["dev_tau"] == [1.5] and rows[0]["setting"] == ["optim.name=muon"]
+    assert rows[1]["runs"] == ["spec", "spec-seed1", "spec-seed10"] and rows[1]["heldout_tau"] == [
+        2.2,
+        2.1,
+        2.0,
+    ]
+    assert rows[1]["trained_in"] == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
