@@ -10,8 +10,9 @@ packing, optimiser, schedule, batch and steps, so the same 409,600 training posi
   dflash-L1-b8-{a512,dpace}, dflash-L3-b8   the DFlash recipe's one-change ablations (every anchor, D-PACE, 3 layers)
   dflash-L1-b8-a512-{dpace,fullhead}   one change each on dflash-L1-b8-a512 (D-PACE, now DFlash's default; the
                     target's frozen full LM head)
-  dspark-L1-b8[-a512]  DSpark: dflash-L1-b8 (or -a512) with a rank-32 Markov head (trained and judged by draftsmith only: vLLM's
-                    CPU build cannot serve DSpark; llama.cpp can, tests/test_llamacpp_dspark.py)
+  dspark-L1-b8[-a512[-dpace]]  DSpark: dflash-L1-b8 (or -a512, with D-PACE) with a rank-32 Markov head (trained and
+                    judged by draftsmith only: vLLM's CPU build cannot serve DSpark; llama.cpp can,
+                    tests/test_llamacpp_dspark.py)
 
 then judged in one run of ``bench/vllm_engine.py``: draftsmith's decoder (one interleaved ``evaluate``, each
 draft at its own k: EAGLE-3 5, DFlash block size - 1, P-EAGLE its parallel depth; τ, acceptance by position,
@@ -152,6 +153,17 @@ DRAFTS = {
             "markov_rank": 32,
             "anchors_per_row": 512,
             "slot_weighting": "decay",
+        },  # fmt: skip
+    },
+    "dspark-L1-b8-a512-dpace": {  # one change on dspark-L1-b8-a512: D-PACE slot weights, as DFlash's default now
+        "kind": "dspark",
+        "options": {
+            "num_layers": 1,
+            "block_size": 8,
+            "draft_vocab_size": VOCAB,
+            "markov_rank": 32,
+            "anchors_per_row": 512,
+            "slot_weighting": "dpace",
         },  # fmt: skip
     },
 }
