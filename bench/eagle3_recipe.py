@@ -209,11 +209,10 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(heldout_tau=entry["heldout_tau"]["values"], reused_from=str(path))
             summary.append(row)
     larger = [(path, json.loads(path.read_text())) for path in args.larger]
+    larger_report = json.loads(args.larger_dev.read_text()) if args.larger_dev else None
     larger_dev = {}
-    if args.larger_dev is not None:
-        report = json.loads(args.larger_dev.read_text())
-        for _, record in larger:
-            larger_dev |= dev_taus(report, record["train"])
+    for _, larger_record in larger if larger_report else []:
+        larger_dev |= dev_taus(larger_report, larger_record["train"])
     summary += larger_budget_rows(larger, [row for row in summary if row["default"] or row["pipeline"] != "draftsmith"],
                                   larger_dev)  # fmt: skip
     print(
@@ -237,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
               "heldout_spread": [spread(row["heldout_tau"]) for row in summary],
               "dev_spread": [spread(row["dev_tau"]) for row in summary], "dev_judge": dev_judge(dev_report, args.dev[0]),
               "dev_reports": [str(p) for p in args.dev if p.exists()], "larger": [str(p) for p in args.larger],
-              "larger_dev_judge": dev_judge(json.loads(args.larger_dev.read_text()), args.larger_dev) if args.larger_dev else None}  # fmt: skip
+              "larger_dev_judge": dev_judge(larger_report, args.larger_dev)}  # fmt: skip
     write_json(args.out, result)
     return 0
 

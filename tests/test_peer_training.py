@@ -278,6 +278,9 @@ def test_a_draftsmith_run_stopped_part_way_resumes_from_its_checkpoint(tmp_path,
     (run / "checkpoints" / "last.ckpt").write_bytes(b"a whole checkpoint")  # an empty file is a cut write
     assert draftsmith_run.train_or_resume("config", run, []) == ("result", run / "checkpoints" / "last.ckpt")
     assert (calls[-1]["resume"], calls[-1]["overwrite"]) == (True, False)
+    # a finished run asked to train again does not "resume" its own end
+    assert draftsmith_run.train_or_resume("config", run, [], fresh=True) == ("result", None)
+    assert (calls[-1]["resume"], calls[-1]["overwrite"]) == (False, True)
 
 
 def test_a_setting_is_any_pipelines_run_with_its_own_overrides(tmp_path):
@@ -298,11 +301,12 @@ def test_a_setting_is_any_pipelines_run_with_its_own_overrides(tmp_path):
 def test_a_sweep_keeps_its_finished_runs_and_trains_the_rest(tmp_path, monkeypatch):
     """A sweep stopped half way goes on where it stopped: a run the record holds as finished (exit 0, its head
     still there) is not trained again unless asked; a failed one, or one whose head is gone, is."""
-    trained = []
+    trained, commands = [], []
 
     def fake_run(cmd, log, env):
         run = Path(cmd[cmd.index("--out") + 1]).name
         trained.append(run)
+        commands.append(cmd)
         return {"returncode": 0, "wall_s": 1.0, "cpu_s": 1.0, "head": str(tmp_path)}
 
     monkeypatch.setattr(training, "run_timed", fake_run)
@@ -319,8 +323,11 @@ def test_a_sweep_keeps_its_finished_runs_and_trains_the_rest(tmp_path, monkeypat
     }
     training.stage_train(tmp_path, [], budget, results, ablations=runs)
     assert trained == ["draftsmith-b", "draftsmith-c", "draftsmith-d"]
+    assert not any(
+        "--fresh" in cmd for cmd in commands
+    )  # stopped or failed part way: resumed where they stopped
     training.stage_train(tmp_path, [], budget, results, ablations={"draftsmith-a": []}, rerun=True)
-    assert trained[-1] == "draftsmith-a"
+    assert trained[-1] == "draftsmith-a" and "--fresh" in commands[-1]  # finished, trained again: from step 0
 
 
 def test_a_judged_run_whose_head_is_gone_stands_and_a_retrained_one_keeps_its_earlier_record(

@@ -12,13 +12,23 @@ from pathlib import Path
 from .common import BENCH, JUDGE_K, PEER_ROOT, peer_python, pipeline_of, run_seed, run_timed
 
 
-def train_command(run: str, work: Path, budget: dict, overrides: list[str] = ()) -> list[str]:
+def train_command(
+    run: str, work: Path, budget: dict, overrides: list[str] = (), fresh: bool = False
+) -> list[str]:
+    """The driver's command for ``run``; ``fresh``: draftsmith's side trains from step 0 even where a checkpoint
+    of an earlier training stands in its folder (it resumes from one otherwise)."""
     out = work / "runs" / run
     common = ["--work", str(work), "--out", str(out), "--draft", budget.get("draft", "eagle3")]
     extra = [arg for item in overrides for arg in ("--override", item)]
     pipeline = pipeline_of(run)
     if pipeline == "draftsmith":
-        return [sys.executable, str(BENCH / "peers" / "draftsmith_run.py"), *common, *extra]
+        return [
+            sys.executable,
+            str(BENCH / "peers" / "draftsmith_run.py"),
+            *common,
+            *extra,
+            *(["--fresh"] if fresh else []),
+        ]
     return [str(peer_python(pipeline)), str(BENCH / "peers" / f"{pipeline}_run.py"), *common, *extra]
 
 
@@ -55,7 +65,8 @@ def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None 
     ``results``, calling ``save`` after each so a bench cut short keeps the runs that finished. A run whose
     record stands (``standing``) is kept, not trained again (so a sweep stopped half way goes on where it
     stopped, on this machine or another), unless ``rerun`` is True or names it; a run trained again keeps its
-    earlier records under ``earlier``. With ``judge``, each finished run's head is judged on the held-out
+    earlier records under ``earlier`` and trains from step 0 (``fresh``), where one stopped part way goes on from
+    its last checkpoint. With ``judge``, each finished run's head is judged on the held-out
     rows right after it trains (``judge_heldout``), so its judgement is kept even if the head is not."""
     results = {} if results is None else results
     ablations = ablations or {}
@@ -79,7 +90,8 @@ def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None 
 
         overrides = list(ablations.get(run, []))
         made = provenance(seed=run_seed(overrides, pipeline))  # each run's own, taken as it starts
-        timed = run_timed(train_command(run, work, budget, overrides), out.with_suffix(".log"), env)
+        fresh = standing(earlier) is not None  # asked to train a finished run again: not a resume of it
+        timed = run_timed(train_command(run, work, budget, overrides, fresh), out.with_suffix(".log"), env)
         report = out / "result.json"
         timed.update(
             json.loads(report.read_text()) if report.exists() else {"error": "no result.json; see the log"}

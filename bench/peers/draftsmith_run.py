@@ -9,7 +9,7 @@ peers, in the same order), ``trainer.max_time=null`` (the budget, not the clock,
 the output folder. Everything else is the quickstart recipe (online: the target runs in every step).
 An online run that finds a checkpoint of its own in its folder (a run stopped part way: a session's end,
 a scheduler's SIGTERM) resumes from it, exactly (``train(resume=True)``); its step marks then cover the
-steps after the resume only.
+steps after the resume only. ``--fresh`` (the bench asks for a finished run to train again) starts from step 0.
 
 ``--override KEY=VALUE`` (repeatable) changes the recipe for an ablation (``optim.lr=1e-4``, ...).
 With another ``trainer.batch_size`` the run takes as many steps as see the same number of rows; with
@@ -106,10 +106,11 @@ def train_from_cache(config, cache: Path, work: Path, callbacks: list) -> tuple[
     return trainer.global_step, {**val, "precision": config.trainer.precision, "target_dtype": tc.dtype}
 
 
-def train_or_resume(config, run: Path, callbacks: list):
+def train_or_resume(config, run: Path, callbacks: list, fresh: bool = False):
     """(``train``'s result, the checkpoint it resumed from or None): a run stopped part way (a session's end,
-    a scheduler's SIGTERM) goes on from the last checkpoint in its folder ``run``; otherwise it starts afresh."""
-    resumed_from = resume_point(run)
+    a scheduler's SIGTERM) goes on from the last checkpoint in its folder ``run``; otherwise, or ``fresh``, it
+    starts from step 0, replacing what the folder holds."""
+    resumed_from = None if fresh else resume_point(run)
     if resumed_from is not None:
         print(f"draftsmith_run: resuming from {resumed_from}", flush=True)
     result = train(
@@ -129,6 +130,7 @@ def online_steps(pack: bool, batch_size: int, budget: dict) -> int:
 def main() -> int:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--override", action="append", default=[], metavar="KEY=VALUE")
+    extra.add_argument("--fresh", action="store_true", help="train from step 0, never resume")
     known, sys.argv[1:] = extra.parse_known_args()
     args, budget = driver_args()
     ablation = [f"--{item.removeprefix('--')}" for item in known.override]
@@ -154,7 +156,7 @@ def main() -> int:
         overrides = [*ablation, f"--trainer.max_steps={steps}", "--trainer.max_time=null",
                      f"--output.dir={args.out / 'run'}"]  # fmt: skip
         config = load_config(base, overrides)
-        result, resumed_from = train_or_resume(config, args.out / "run", [counter])
+        result, resumed_from = train_or_resume(config, args.out / "run", [counter], known.fresh)
         taken, heldout, head = result.steps, result.val, result.draft_dir
     write_result(args.out, marks, head, heldout=heldout, steps=taken, overrides=overrides, resumed_from=resumed_from,
                  step_tokens=counter.tokens[: len(marks)], step_positions=counter.positions[: len(marks)])  # fmt: skip
