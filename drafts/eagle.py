@@ -38,6 +38,7 @@ from draftsmith.drafts.base import (
     PEAGLE,
     DraftKind,
     Family,
+    kind_of_checkpoint,
     register,
     strict_load,
     target_layers_line,
@@ -127,11 +128,12 @@ class EagleConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.mirror = dict(mirror) if mirror else None
         """A mirror draft's early_exit_layer, kappa and gamma (``drafts/mirror.py``); None otherwise."""
-        # EAGLE-3 variants other pipelines train (drafts/eagle_import.py reads them; draftsmith trains none):
+        # the EAGLE-3.1 norms (draft.options of an eagle3 recipe) and a variant only imported heads have
+        # (drafts/eagle_import.py reads the peers' heads with any of them):
         self.norm_before_residual = norm_before_residual  # the first layer's residual is hidden_norm(feature)
         self.norm_before_fc = norm_before_fc  # one RMSNorm over the concatenated target states before fc
         self.norm_output = norm_output  # the hidden state fed back is the final norm's output
-        self.feature_input_norm = feature_input_norm  # the feature passes input_layernorm before hidden_norm
+        self.feature_input_norm = feature_input_norm  # imported only: input_layernorm, then hidden_norm
         self.mask_token_id = None if mask_token_id is None else int(mask_token_id)
         """P-EAGLE (``drafts/peagle.py``): the token embedded at the slots drafted in parallel; None: a chain head."""
         self.parallel_depths = None if parallel_depths is None else int(parallel_depths)
@@ -141,6 +143,11 @@ class EagleConfig(PretrainedConfig):
         # the kind's name (earlier versions wrote "eagle"); mirror and P-EAGLE drafts are EAGLE-3 heads underneath
         setattr(self, DRAFT_KIND_KEY, MIRROR if self.mirror else PEAGLE if self.parallel else preset)
         super().__init__(**kwargs)
+
+    @property
+    def own_draft_vocab(self) -> bool:
+        """Whether the head has an LM head of its own over a draft vocabulary (EAGLE-3's), which can shrink."""
+        return self.preset == EAGLE3 and not self.lm_head_is_embedding
 
     @property
     def parallel(self) -> bool:
@@ -439,6 +446,16 @@ def load_head(target, path: str, what: str = "an EAGLE draft") -> EagleHead:
     head = EagleHead.from_pretrained(path, dtype=target.dtype).to(target.device).eval().requires_grad_(False)
     check_target(head.config, target)
     return head
+
+
+def load_vocab_head(folder: Path) -> EagleHead:
+    """A head folder ``draftsmith train`` saved whose draft vocabulary can shrink (EAGLE-3, P-EAGLE), in float32;
+    any other kind refused, naming it."""
+    kind = kind_of_checkpoint(folder)
+    if kind.name not in (EAGLE3, PEAGLE):
+        raise ValueError(f"{folder} is a {kind.title} ({kind.name}); only EAGLE-3 and P-EAGLE heads have a draft "
+                         "vocabulary of their own to shrink")  # fmt: skip
+    return EagleHead.from_pretrained(folder, dtype=torch.float32)
 
 
 def _build(target, path: str) -> Drafter:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.decode.drafter import Drafter
-from draftsmith.drafts.base import EAGLE3, PEER_EAGLE3, DraftKind, register
+from draftsmith.drafts.base import PEER_EAGLE3, DraftKind, register
 from draftsmith.drafts.eagle import EAGLE, EagleConfig, EagleHead
 from draftsmith.drafts.eagle_drafter import EagleDrafter
 from draftsmith.drafts.engines import MODELOPT, REFERENCE_EAGLE3, SPECULATORS, Engine, read_layouts
@@ -352,7 +352,8 @@ def import_head(target, path: str | Path) -> EagleHead:
         "architectures": config.get("architectures"),
         "notes": notes,
     }
-    cfg = EagleConfig(preset=EAGLE3, vocab_size=V, draft_vocab_size=draft_vocab, capture_layer_ids=ids,
+    # an EAGLE-3 head (the config's default preset)
+    cfg = EagleConfig(vocab_size=V, draft_vocab_size=draft_vocab, capture_layer_ids=ids,
                       target=target.record(), imported_from=record, **shape, **options)  # fmt: skip
     head = EagleHead(cfg)
     head.load_state_dict({k: v.to(head.state_dict()[k].dtype) for k, v in state.items()}, strict=True)

@@ -3,8 +3,9 @@
 The draft vocabulary's map to the target's (``build_vocab_map``), the training-time-test attention mask
 (``ttt_attention_mask``) and P-EAGLE's one-forward counterpart (``parallel_attention_mask``), the
 conversations of a packed row (``packed_segments``), the copy of the target's final norm
-(``copy_final_norm``, also Medusa's), EAGLE-3's first layer (``WideInputLayer``) and the check of a
-vocabulary map as saved (``check_vocab_maps``).
+(``copy_final_norm``, also Medusa's), EAGLE-3's first layer (``WideInputLayer``), the check of a
+vocabulary map as saved (``check_vocab_maps``) and the cut of a trained head's draft vocabulary to its most
+frequent rows (``shrink_head_vocab``, ``draftsmith shrink-vocab``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,44 @@ def build_vocab_map(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[
     t2d = torch.zeros(counts.numel(), dtype=torch.bool)
     t2d[d2t] = True
     return d2t, t2d
+
+
+def shrink_head_vocab(head: nn.Module, token_counts: torch.Tensor, draft_vocab_size: int) -> nn.Module:
+    """Keep only the ``draft_vocab_size`` most frequent tokens of the draft vocabulary (EAGLE-3).
+
+    Drafting reads the whole draft LM head for every drafted token, and on a weight-bound device that
+    product is most of a one-layer head's cost; the rarest rows are seldom the target's choice. The
+    kept rows are copied unchanged, so on tokens still in the vocabulary the head ranks as before
+    (``token_counts`` [V]: frequencies over target ids, e.g. of the target's own answers; ties keep
+    the lower id). The config's ``draft_vocab_size`` follows. In place; returns ``head``.
+    """
+    with torch.no_grad():
+        if not head.config.own_draft_vocab:
+            raise ValueError(
+                "shrink_vocab needs an EAGLE-3 head with its own LM head over a draft vocabulary"
+            )
+        current = head.config.draft_vocab_size
+        if not 1 <= draft_vocab_size <= current:
+            raise ValueError(
+                f"draft_vocab_size must be in 1..{current} (this head's), got {draft_vocab_size}"
+            )
+        counts = token_counts.reshape(-1).double()
+        if counts.numel() != head.config.vocab_size:
+            raise ValueError(
+                f"token_counts has {counts.numel()} entries, the target vocabulary {head.config.vocab_size}"
+            )
+        order = torch.sort(counts[head.d2t], descending=True, stable=True).indices[:draft_vocab_size]
+        keep = order.sort().values  # draft ids in ascending target-id order, as build_vocab_map makes them
+        old = head.lm_head
+        head.lm_head = nn.Linear(old.in_features, draft_vocab_size, bias=False, device=old.weight.device)
+        head.lm_head.weight.copy_(old.weight[keep].to(head.lm_head.weight.dtype))
+        head.lm_head.to(old.weight.dtype)
+        d2t = head.d2t[keep].clone()
+        t2d = torch.zeros_like(head.t2d)
+        t2d[d2t] = True
+        head.d2t, head.t2d = d2t, t2d  # buffers: assigning a tensor replaces the registered buffer
+        head.config.draft_vocab_size = draft_vocab_size
+        return head
 
 
 def ttt_attention_mask(seq_len: int, step: int, device: torch.device | None = None) -> torch.Tensor:

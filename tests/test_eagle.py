@@ -17,13 +17,12 @@ from draftsmith.decode.speculative import generate
 from draftsmith.drafts.base import build_drafter
 from draftsmith.drafts.eagle import EagleConfig, EagleHead, check_target
 from draftsmith.drafts.eagle_drafter import EagleDrafter
-from draftsmith.drafts.eagle_parts import build_vocab_map, ttt_attention_mask
+from draftsmith.drafts.eagle_parts import build_vocab_map, shrink_head_vocab, ttt_attention_mask
 from draftsmith.train.losses import soft_topk_cross_entropy
 from draftsmith.train.objective import Batch, Teacher, decoding_walk_steps
 from draftsmith.train.objectives.common import step_valid_masks
 from draftsmith.train.objectives.eagle import EagleObjective
 from draftsmith.train.registry import build_objective
-from draftsmith.train.shrink_vocab import shrink_head_vocab
 
 ARCHS = ["llama", "qwen2"]
 PRESETS = ["eagle1", "eagle3"]

@@ -14,8 +14,8 @@ from draftsmith.drafts import base
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIRS = ("decode", "drafts", "train", "eval", "draftsmith")
-KINDS = {base.EAGLE1, base.EAGLE3, base.DISTILL, base.MEDUSA, base.PEER_EAGLE3, base.NGRAM, base.DFLASH, base.PEAGLE,
-         base.PEER_DFLASH}  # fmt: skip
+KINDS = set(base.KINDS) - {base.LAYERS}
+"""Every registered kind's name but ``layers``, which is also the word for a model's layers everywhere."""
 OTHER_MEANINGS = {
     ("draftsmith/export/speculators.py", "eagle3"): "speculators' algorithm name",
     ("draftsmith/export/verify.py", "eagle3"): "speculators' algorithm name, read by its loader",
@@ -33,6 +33,8 @@ OTHER_MEANINGS = {
     ("draftsmith/export/gguf_dflash.py", "dflash"): "llama.cpp's architecture name",
     ("draftsmith/llamacpp.py", "dflash"): "llama.cpp's --spec-type draft-dflash",
     ("draftsmith/export/peagle.py", "peagle"): "speculators' algorithm name of a P-EAGLE head, read by vLLM",
+    ("drafts/mirror.py", "mirror"): "the EagleConfig attribute that holds a mirror head's settings",
+    ("eval/mirror_stats.py", "mirror"): "the decoding mode's key in report.json",
 }
 """(file, word) -> what the word names there, where it is not draftsmith's kind."""
 
@@ -69,3 +71,63 @@ def test_every_allowance_is_still_needed():
     stale = [f"{rel} {word!r}" for rel, word in OTHER_MEANINGS
              if word not in {w for _, w in kind_literals(ROOT / rel)}]  # fmt: skip
     assert not stale, f"allowances no longer needed: {stale}"
+
+
+KIND_CONSTANTS = {name: value for name, value in vars(base).items()
+                  if name.isupper() and isinstance(value, str) and value in base.KINDS}  # fmt: skip
+"""``drafts/base.py``'s constant name -> the kind it names."""
+MAX_OTHER_FILES = 3
+"""Where a kind may be named outside its own files (ARCHITECTURE's rule: a kind lives in one place)."""
+
+
+def own_files(kind: str) -> set[str]:
+    """The kind's own modules, as its line of ``drafts/base.KINDS`` names them, and the registry itself."""
+    parts = base.KINDS[kind]
+    own = {"drafts/base.py", f"drafts/{parts.drafts}.py"}
+    own |= {f"train/objectives/{parts.objective}.py"} if parts.objective else set()
+    return own | ({f"draftsmith/export/{parts.export}.py"} if parts.export else set())
+
+
+def kinds_named(path: Path) -> set[str]:
+    """The kinds a module names through ``drafts/base.py``'s constants (imported, or read as ``base.X``)."""
+    named = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("drafts.base"):
+            named |= {KIND_CONSTANTS[a.name] for a in node.names if a.name in KIND_CONSTANTS}
+        elif isinstance(node, ast.Attribute) and node.attr in KIND_CONSTANTS:
+            named.add(KIND_CONSTANTS[node.attr])
+    return named
+
+
+def files_naming(root: Path) -> dict[str, set[str]]:
+    """kind -> the package's modules under ``root`` that name it outside the kind's own files."""
+    found: dict[str, set[str]] = {kind: set() for kind in base.KINDS}
+    for folder in PACKAGE_DIRS:
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            for kind in kinds_named(path):
+                if rel not in own_files(kind):
+                    found[kind].add(rel)
+    return found
+
+
+def test_a_kind_is_named_in_few_files_outside_its_own():
+    """A kind is added in its own files plus a registry line; the app may choose it by name (the recipe's
+    default, the quickstart) in a few places, but no engine or loop branches on it."""
+    crowded = {
+        kind: sorted(files) for kind, files in files_naming(ROOT).items() if len(files) > MAX_OTHER_FILES
+    }
+    assert not crowded, f"kinds named in more than {MAX_OTHER_FILES} files outside their own: {crowded}"
+
+
+def test_the_count_sees_a_kind_named_elsewhere(tmp_path):
+    for number in range(MAX_OTHER_FILES + 1):
+        module = tmp_path / "eval" / f"m{number}.py"
+        module.parent.mkdir(exist_ok=True)
+        module.write_text(
+            "from draftsmith.drafts.base import DFLASH\nfrom draftsmith.drafts import base\nbase.MEDUSA\n"
+        )
+    found = files_naming(tmp_path)
+    assert (
+        len(found[base.DFLASH]) == len(found[base.MEDUSA]) == MAX_OTHER_FILES + 1 and not found[base.EAGLE3]
+    )

@@ -14,12 +14,6 @@ import argparse
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
-
-    from draftsmith.drafts.eagle import EagleHead
 
 HELP = (
     __doc__.split("\n\n", 1)[1]
@@ -63,12 +57,11 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     from transformers import AutoTokenizer
 
     from draftsmith import files
-    from draftsmith.drafts.base import EAGLE3, PEAGLE, kind_of_checkpoint
-    from draftsmith.drafts.eagle import EagleHead
+    from draftsmith.drafts.eagle import load_vocab_head
+    from draftsmith.drafts.eagle_parts import shrink_head_vocab
     from draftsmith.loading import resolve_model_path, tokenizer_fingerprint
     from draftsmith.train.corpus.tokens import build_dataset, count_tokens
 
@@ -77,15 +70,9 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(
             f"{head_dir} is not a head directory saved by `draftsmith train` (no config.json)"
         )
-    kind = kind_of_checkpoint(head_dir)
-    if kind.name not in (EAGLE3, PEAGLE):
-        raise ValueError(
-            f"{head_dir} is a {kind.title} ({kind.name}); shrink-vocab works on EAGLE-3 and P-EAGLE heads (their "
-            "own draft LM head)"
-        )
     if out.exists():
         raise FileExistsError(f"{out} exists; pass a new --out directory (nothing was written)")
-    head = EagleHead.from_pretrained(head_dir, dtype=torch.float32)
+    head = load_vocab_head(head_dir)
     recorded = head.config.target
     spec = args.target or recorded["name"]
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(spec)[0])
@@ -122,46 +109,3 @@ def run(args: argparse.Namespace) -> int:
         f"assistant tokens counted, {100 * covered_before:.2f}% -> {100 * covered:.2f}% are in it"
     )
     return 0
-
-
-def shrink_head_vocab(head: EagleHead, token_counts: torch.Tensor, draft_vocab_size: int) -> EagleHead:
-    """Keep only the ``draft_vocab_size`` most frequent tokens of the draft vocabulary (EAGLE-3).
-
-    Drafting reads the whole draft LM head for every drafted token, and on a weight-bound device that
-    product is most of a one-layer head's cost; the rarest rows are seldom the target's choice. The
-    kept rows are copied unchanged, so on tokens still in the vocabulary the head ranks as before
-    (``token_counts`` [V]: frequencies over target ids, e.g. of the target's own answers; ties keep
-    the lower id). The config's ``draft_vocab_size`` follows. In place; returns ``head``.
-    """
-    import torch
-    from torch import nn
-
-    from draftsmith.drafts.base import EAGLE3
-
-    with torch.no_grad():
-        if head.config.preset != EAGLE3 or head.config.lm_head_is_embedding:
-            raise ValueError(
-                "shrink_vocab needs an EAGLE-3 head with its own LM head over a draft vocabulary"
-            )
-        current = head.config.draft_vocab_size
-        if not 1 <= draft_vocab_size <= current:
-            raise ValueError(
-                f"draft_vocab_size must be in 1..{current} (this head's), got {draft_vocab_size}"
-            )
-        counts = token_counts.reshape(-1).double()
-        if counts.numel() != head.config.vocab_size:
-            raise ValueError(
-                f"token_counts has {counts.numel()} entries, the target vocabulary {head.config.vocab_size}"
-            )
-        order = torch.sort(counts[head.d2t], descending=True, stable=True).indices[:draft_vocab_size]
-        keep = order.sort().values  # draft ids in ascending target-id order, as build_vocab_map makes them
-        old = head.lm_head
-        head.lm_head = nn.Linear(old.in_features, draft_vocab_size, bias=False, device=old.weight.device)
-        head.lm_head.weight.copy_(old.weight[keep].to(head.lm_head.weight.dtype))
-        head.lm_head.to(old.weight.dtype)
-        d2t = head.d2t[keep].clone()
-        t2d = torch.zeros_like(head.t2d)
-        t2d[d2t] = True
-        head.d2t, head.t2d = d2t, t2d  # buffers: assigning a tensor replaces the registered buffer
-        head.config.draft_vocab_size = draft_vocab_size
-        return head
