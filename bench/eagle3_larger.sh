@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The EAGLE-3 deciding table at a larger budget (default 1.6M training positions, 4x the 0.4M table): draftsmith's
+# default against speculators' chosen point (1,024-token steps), 2 seeds each, each judged on the held-out rows as it
+# ends, then one interleaved `draftsmith eval` of the four heads on 96 dev prompts, then bench/eagle3_recipe.py with
+# the larger budget's rows beside the 0.4M table.
+#
+# Every step can be stopped and run again: the data stage and the capture are skipped once written, a finished run
+# is kept in the --out record (bench/peer_training.py), and draftsmith's run stopped part way resumes from its last
+# checkpoint. On a 2-core CPU this is about 8 hours (docs/studies/eagle3_training.md, "1.6M tokens"); give it the
+# CPU alone (`echo 19 > /proc/self/autogroup` for a background job), or stop it (SIGSTOP / SIGCONT) while timing
+# anything else.
+#
+#   bash bench/eagle3_larger.sh                 # everything left
+#   STEPS="train" bash bench/eagle3_larger.sh   # only what trains (data, capture, runs), no dev run or table
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PY:-python}
+DRAFTSMITH=${DRAFTSMITH:-draftsmith}
+TOKENS=${TOKENS:-1638400}
+WORK=${WORK:-runs/sweep_1600k}
+OUT=${OUT:-bench/results/eagle3_recipe_1600k.json}
+DEV=${DEV:-$WORK/dev96}
+DEV_RESULT=${DEV_RESULT:-bench/results/eagle3_dev_1600k.json}
+STEPS=${STEPS:-"train dev table"}
+DEFAULT="trainer.batch_size=1,optim.name=muon,draft.options.norm_before_fc=true,draft.options.norm_output=true"
+DEFAULT="$DEFAULT,draft.options.norm_before_residual=true"
+RUNS=(
+    "draftsmith-r45norms:$DEFAULT"
+    "speculators-seq1024:total-seq-len=1024"
+    "draftsmith-r45norms-seed1:$DEFAULT,trainer.seed=1"
+    "speculators-seq1024-seed1:total-seq-len=1024,seed=1"
+)
+
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+if has train; then
+    [[ -f $WORK/data/budget.json ]] || $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages data --out "$OUT"
+    [[ -d $WORK/speculators ]] || $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages capture --out "$OUT"
+    for run in "${RUNS[@]}"; do
+        $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages train judge --runs --setting "$run" --out "$OUT"
+    done
+fi
+
+if has dev; then
+    # the heads the record holds, in its order; one eval, prompt by prompt round the heads and the target alone
+    mapfile -t HEADS < <($PY -c 'import json, sys
+for run in json.load(open(sys.argv[1]))["train"].values():
+    if run.get("head"):
+        print("--draft"); print(run["head"])' "$OUT")
+    "$DRAFTSMITH" eval --target smollm2-135m-instruct --prompts builtin:dev_prompts --limit 96 --order round-robin \
+        --max-new-tokens 64 --k 5 --cpu-kernels stock "${HEADS[@]}" --out "$DEV" --overwrite
+    cp "$DEV/report.json" "$DEV_RESULT"
+fi
+
+if has table; then
+    # the 0.4M inputs are the script's defaults (the committed records); the larger budget's rows join them
+    $PY bench/eagle3_recipe.py --larger "$OUT" --larger-dev "$DEV_RESULT" --out bench/results/eagle3_recipe.json
+fi
