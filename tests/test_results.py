@@ -246,32 +246,51 @@ def plain_decoding_cells(text: str) -> list[str]:
     return wrong + [f"plain decoding: {key} is not in the table" for key in set(labels.values()) - seen]
 
 
+def budget_label(tokens: int) -> str:
+    """How BENCHMARKS names a token budget in a table's heading: 409,600 -> "0.4M"."""
+    return f"{tokens / 1e6:.1f}M"
+
+
+def seeds_cell(values: list[float]) -> str:
+    """mean ± sd (n) over seeds, or the one seed's figure (n=1)."""
+    return f"{spread(values)} (n={len(values)})" if len(values) > 1 else f"{values[0]:.3f} (n=1)"
+
+
 def eagle3_recipe_cells(text: str) -> list[str]:
-    """The EAGLE-3 deciding table against ``eagle3_recipe.json``'s summary: held-out τ mean ± sd (n) and dev τ
-    mean ± sd (n; per seed) per pipeline point, the point named by its settings in backticks."""
+    """The EAGLE-3 deciding tables, one per token budget ("Deciding table at 0.4M tokens", "... at 1.6M tokens"),
+    against ``eagle3_recipe.json``'s summary rows of that budget: held-out τ mean ± sd (n) and dev τ mean ± sd
+    (n; per seed) per pipeline point, the point named by its settings in backticks."""
     summary = json.loads((RESULTS / "eagle3_recipe.json").read_text())["summary"]
     wrong, seen = [], set()
-    for cells in section_table(text, "The EAGLE-3 recipe", after="Deciding table"):
-        setting = " ".join(re.findall(r"`([^`]*)`", cells[0]))
-        row = next((r for r in summary if " ".join(r["setting"]) == setting), None)
-        if row is None:
-            wrong.append(f"EAGLE-3 recipe: row {cells[0][:60]!r} is no point of the result")
+    start = text.index("## The EAGLE-3 recipe")
+    section = text[start : text.find("\n## ", start + 1)]
+    for tokens in sorted({r["tokens"] for r in summary}):
+        label, rows = budget_label(tokens), [r for r in summary if r["tokens"] == tokens]
+        heading = f"Deciding table at {label} tokens"
+        if heading not in section:
+            wrong.append(f"EAGLE-3 recipe: no table headed {heading!r}")
             continue
-        seen.add(setting)
-        heldout = f"{spread(row['heldout_tau'])} (n={len(row['heldout_tau'])})"
-        if plain(cells[1]) != heldout:
-            wrong.append(
-                f"EAGLE-3 recipe, {setting}: held-out {plain(cells[1])!r}, the result gives {heldout!r}"
-            )
-        if row["dev_tau"]:
-            dev = row["dev_tau"]
-            want = f"{spread(dev)} (n={len(dev)}; {', '.join(f'{t:.3f}' for t in dev)})"
-            if plain(cells[2]) != want:
-                wrong.append(f"EAGLE-3 recipe, {setting}: dev {plain(cells[2])!r}, the result gives {want!r}")
+        for cells in section_table(text, "The EAGLE-3 recipe", after=heading):
+            setting = " ".join(re.findall(r"`([^`]*)`", cells[0]))
+            row = next((r for r in rows if " ".join(r["setting"]) == setting), None)
+            if row is None:
+                wrong.append(f"EAGLE-3 recipe at {label}: row {cells[0][:60]!r} is no point of the result")
+                continue
+            seen.add((tokens, setting))
+            heldout = seeds_cell(row["heldout_tau"])
+            if plain(cells[1]) != heldout:
+                wrong.append(f"EAGLE-3 recipe at {label}, {setting}: held-out {plain(cells[1])!r}, the result "
+                             f"gives {heldout!r}")  # fmt: skip
+            if row["dev_tau"]:
+                dev = row["dev_tau"]
+                want = f"{spread(dev) if len(dev) > 1 else f'{dev[0]:.3f}'} (n={len(dev)}; {', '.join(f'{t:.3f}' for t in dev)})"
+                if plain(cells[2]) != want:
+                    wrong.append(f"EAGLE-3 recipe at {label}, {setting}: dev {plain(cells[2])!r}, the result "
+                                 f"gives {want!r}")  # fmt: skip
     return wrong + [
-        f"EAGLE-3 recipe: {' '.join(r['setting'])} is not in the table"
+        f"EAGLE-3 recipe at {budget_label(r['tokens'])}: {' '.join(r['setting'])} is not in the table"
         for r in summary
-        if " ".join(r["setting"]) not in seen
+        if (r["tokens"], " ".join(r["setting"])) not in seen
     ]
 
 
@@ -287,8 +306,7 @@ def block_recipe_cells(text: str) -> list[str]:
             wrong.append(f"block drafters: row {cells[0][:60]!r} is no draft of the result")
             continue
         seen.add(setting)
-        taus = row["heldout_tau"]
-        heldout = f"{spread(taus)} (n={len(taus)})" if len(taus) > 1 else f"{taus[0]:.3f} (n=1)"
+        heldout = seeds_cell(row["heldout_tau"])
         if plain(cells[2]) != heldout:
             wrong.append(
                 f"block drafters, {setting}: held-out {plain(cells[2])!r}, the result gives {heldout!r}"
@@ -318,6 +336,12 @@ def test_a_changed_cell_of_a_headline_table_is_caught():
         "held-out" in p for p in benchmarks_problems(text.replace("**2.226 ± 0.022**", "**2.236 ± 0.022**"))
     )
     assert any("dev" in p for p in benchmarks_problems(text.replace("1.355 ± 0.006", "1.356 ± 0.006")))
+    assert any(
+        "no table headed" in p
+        for p in benchmarks_problems(
+            text.replace("Deciding table at 0.4M tokens. Held", "At 0.4M tokens. Held")
+        )
+    )
     block = text.replace("| 1.627 ± 0.005 (n=3) |", "| 1.637 ± 0.005 (n=3) |")
     assert any("block drafters, dflash-L1-b8-a512: held-out" in p for p in benchmarks_problems(block))
     assert any(
