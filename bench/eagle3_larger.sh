@@ -4,7 +4,7 @@
 # ends, then one interleaved `draftsmith eval` of the four heads on 96 dev prompts, then bench/eagle3_recipe.py with
 # the larger budget's rows beside the 0.4M table.
 #
-# Every step can be stopped and run again: the data stage and the capture are skipped once written, a finished run
+# Every step can be stopped and run again: the data stage and the capture are skipped once done, a finished run
 # is kept in the --out record (bench/peer_training.py), and draftsmith's run stopped part way resumes from its last
 # checkpoint. On a 2-core CPU this is about 8 hours (docs/studies/eagle3_training.md, "1.6M tokens"); give it the
 # CPU alone (`echo 19 > /proc/self/autogroup` for a background job), or stop it (SIGSTOP / SIGCONT) while timing
@@ -33,10 +33,12 @@ RUNS=(
 )
 
 has() { [[ " $STEPS " == *" $1 "* ]]; }
+# whether the --out record holds a finished stage (the capture is recorded only once it has written everything)
+recorded() { [[ -f $OUT ]] && $PY -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1])).get(sys.argv[2]))' "$OUT" "$1"; }
 
 if has train; then
     [[ -f $WORK/data/budget.json ]] || $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages data --out "$OUT"
-    [[ -d $WORK/speculators ]] || $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages capture --out "$OUT"
+    recorded capture || $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages capture --out "$OUT"
     for run in "${RUNS[@]}"; do
         $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages train judge --runs --setting "$run" --out "$OUT"
     done
