@@ -31,7 +31,8 @@ class DSparkOptions(DFlashOptions):
 
     slot_weighting: Literal["decay", "dpace"] = "decay"
     """How a block's slots are weighed (as DFlash's option); DSpark's default stays decay, the weighting its
-    measured default was trained with (D-PACE, DFlash's default, is not yet measured on DSpark)."""
+    3-seed default was trained with, until D-PACE (DFlash's default, ahead on DSpark's first seeds: BENCHMARKS,
+    "Block drafters") has its three seeds, the rule DFlash's change followed."""
     markov_rank: Annotated[int, Field(ge=1, le=MAX_MARKOV_RANK)] = 32
     """Rank r of the Markov head (its factors: the target's vocabulary x r and the draft vocabulary x r)."""
 
