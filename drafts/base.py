@@ -205,7 +205,7 @@ class KindFiles:
 
 KINDS = {
     EAGLE1: KindFiles("eagle", objective="eagle"),
-    EAGLE3: KindFiles("eagle", objective="eagle", export="eagle"),
+    EAGLE3: KindFiles("eagle", objective="eagle"),
     MIRROR: KindFiles("mirror", objective="eagle"),
     DISTILL: KindFiles("distill", objective="distill"),
     MEDUSA: KindFiles("medusa", objective="medusa", export="medusa"),

@@ -448,6 +448,11 @@ def load_head(target, path: str, what: str = "an EAGLE draft") -> EagleHead:
     return head
 
 
+def is_eagle3(config: dict) -> bool:
+    """Whether a saved EAGLE head's config.json is an EAGLE-3 head (the layout engines load), not EAGLE-1."""
+    return config.get("preset") == EAGLE3
+
+
 def load_vocab_head(folder: Path) -> EagleHead:
     """A head folder ``draftsmith train`` saved whose draft vocabulary can shrink (EAGLE-3, P-EAGLE), in float32;
     any other kind refused, naming it."""

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from draftsmith import files
 from draftsmith.decode.features import LAYER_ID_CONVENTION
 from draftsmith.draft_checkpoint import DraftCheckpoint
-from draftsmith.drafts.base import EAGLE3
+from draftsmith.drafts.eagle import is_eagle3
 from draftsmith.drafts.engines import GGUF, SGLANG, SPECULATORS, VLLM, engine_named
 from draftsmith.drafts.taps import refuse_uncaptured_last_layer
 
@@ -103,7 +103,7 @@ def drops_vocab_map(config: dict, engine: str) -> bool:
 def check_exportable(config: dict, engine: str) -> None:
     """Refuse heads the engine's EAGLE-3 loader cannot represent, with the reason."""
     name = engine_named(engine).title
-    if config.get("preset") != EAGLE3:
+    if not is_eagle3(config):
         raise ValueError(
             f"only EAGLE-3 heads export to {engine}; this head is preset {config.get('preset')!r} (draftsmith's "
             "EAGLE-1 head keeps the first layer's input norm and reads the target's norm, which the engines' "
