@@ -5,10 +5,11 @@
 # the larger budget's rows beside the 0.4M table.
 #
 # Every step can be stopped and run again: the data stage and the capture are skipped once done, a finished run
-# is kept in the --out record (bench/peer_training.py), and draftsmith's run stopped part way resumes from its last
-# checkpoint. On a 2-core CPU this is about 8 hours (docs/studies/eagle3_training.md, "1.6M tokens"); give it the
-# CPU alone (`echo 19 > /proc/self/autogroup` for a background job), or stop it (SIGSTOP / SIGCONT) while timing
-# anything else.
+# is kept in the --out record (bench/peer_training.py), draftsmith's run stopped part way resumes from its last
+# checkpoint, and a run the record judged whose head is gone (runs/ lost with a machine) trains again before the
+# dev run, which reads every head. On a 2-core CPU this is about 8 hours (docs/studies/eagle3_training.md,
+# "1.6M tokens"); give it the CPU alone (`echo 19 > /proc/self/autogroup` for a background job), or stop it
+# (SIGSTOP / SIGCONT) while timing anything else.
 #
 #   bash bench/eagle3_larger.sh                 # everything left
 #   STEPS="train" bash bench/eagle3_larger.sh   # only what trains (data, capture, runs), no dev run or table
@@ -35,12 +36,20 @@ RUNS=(
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 # whether the --out record holds a finished stage (the capture is recorded only once it has written everything)
 recorded() { [[ -f $OUT ]] && $PY -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1])).get(sys.argv[2]))' "$OUT" "$1"; }
+# whether the record judged a run whose head is gone (runs/ lost with a machine): the dev run needs every head, so
+# such a run trains again (its earlier record kept under "earlier")
+head_gone() { [[ -f $OUT ]] && $PY -c 'import json, os, sys
+run = json.load(open(sys.argv[1])).get("train", {}).get(sys.argv[2]) or {}
+sys.exit(not (run.get("head") and not os.path.exists(run["head"])))' "$OUT" "$1"; }
 
 if has train; then
     [[ -f $WORK/data/budget.json ]] || $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages data --out "$OUT"
     recorded capture || $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages capture --out "$OUT"
     for run in "${RUNS[@]}"; do
-        $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages train judge --runs --setting "$run" --out "$OUT"
+        again=()
+        if has dev && head_gone "${run%%:*}"; then again=(--rerun); fi
+        $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages train judge --runs --setting "$run" \
+            --out "$OUT" "${again[@]}"
     done
 fi
 

@@ -605,3 +605,35 @@ def test_the_eagle3_deciding_table_takes_a_larger_budget_per_point(tmp_path):
         2.0,
     ]
     assert rows[1]["trained_in"] == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+
+
+def test_the_larger_table_trains_again_a_judged_run_whose_head_is_gone_since_the_dev_run_needs_it(tmp_path):
+    """bench/eagle3_larger.sh: a run the record judged but whose head went with a machine's runs/ is trained again
+    (``--rerun``) before the dev run, which reads every head; runs whose heads are there, or that are not recorded,
+    are not asked to."""
+    repo = Path(__file__).resolve().parents[1]
+    work, out, dev = tmp_path / "work", tmp_path / "record.json", tmp_path / "dev"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "budget.json").write_text("{}")
+    dev.mkdir()
+    (dev / "report.json").write_text("{}")
+    kept = tmp_path / "kept_head"
+    kept.mkdir()
+    out.write_text(json.dumps({"capture": {"done": True}, "train": {
+        "draftsmith-r45norms": {"head": str(tmp_path / "gone"), "judge": {"tau": 2.6}},
+        "speculators-seq1024": {"head": str(kept), "judge": {"tau": 2.5}},
+    }}))  # fmt: skip
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "py"  # runs the script's inline checks, records every bench call instead of running it
+    fake.write_text(
+        f'#!/bin/sh\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\necho "$@" >> {calls}\n'
+    )
+    fake.chmod(0o755)
+    env = dict(os.environ, PY=str(fake), DRAFTSMITH="true", WORK=str(work), OUT=str(out), DEV=str(dev),
+               DEV_RESULT=os.devnull, STEPS="train dev")  # fmt: skip
+    subprocess.run(["bash", str(repo / "bench" / "eagle3_larger.sh")], env=env, check=True, cwd=repo)
+    runs = {line.split("--setting ")[1].split(":")[0]: line for line in calls.read_text().splitlines()
+            if "--setting" in line}  # fmt: skip
+    assert set(runs) == {"draftsmith-r45norms", "speculators-seq1024", "draftsmith-r45norms-seed1",
+                         "speculators-seq1024-seed1"}  # fmt: skip
+    assert [run for run, line in runs.items() if "--rerun" in line] == ["draftsmith-r45norms"]
