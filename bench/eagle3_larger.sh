@@ -12,7 +12,7 @@
 # (SIGSTOP / SIGCONT) while timing anything else.
 #
 #   bash bench/eagle3_larger.sh                 # everything left
-#   STEPS="train" bash bench/eagle3_larger.sh   # only what trains (data, capture, runs), no dev run or table
+#   STEPS="train" bash bench/eagle3_larger.sh   # only what trains (data, runs, capture), no dev run or table
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,10 +26,12 @@ DEV_RESULT=${DEV_RESULT:-bench/results/eagle3_dev_1600k.json}
 STEPS=${STEPS:-"train dev table"}
 DEFAULT="trainer.batch_size=1,optim.name=muon,draft.options.norm_before_fc=true,draft.options.norm_output=true"
 DEFAULT="$DEFAULT,draft.options.norm_before_residual=true"
+# draftsmith's runs first: they train online (the target in every step) and need only the data stage, so they
+# start while the peers' capture has not run yet
 RUNS=(
     "draftsmith-r45norms:$DEFAULT"
-    "speculators-seq1024:total-seq-len=1024"
     "draftsmith-r45norms-seed1:$DEFAULT,trainer.seed=1"
+    "speculators-seq1024:total-seq-len=1024"
     "speculators-seq1024-seed1:total-seq-len=1024,seed=1"
 )
 
@@ -44,8 +46,10 @@ sys.exit(not (run.get("head") and not os.path.exists(run["head"])))' "$OUT" "$1"
 
 if has train; then
     [[ -f $WORK/data/budget.json ]] || $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages data --out "$OUT"
-    recorded capture || $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages capture --out "$OUT"
     for run in "${RUNS[@]}"; do
+        if [[ $run != draftsmith-* ]] && ! recorded capture; then  # the peers train from the capture
+            $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages capture --out "$OUT"
+        fi
         again=()
         if has dev && head_gone "${run%%:*}"; then again=(--rerun); fi
         $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages train judge --runs --setting "$run" \

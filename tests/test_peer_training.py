@@ -637,3 +637,26 @@ def test_the_larger_table_trains_again_a_judged_run_whose_head_is_gone_since_the
     assert set(runs) == {"draftsmith-r45norms", "speculators-seq1024", "draftsmith-r45norms-seed1",
                          "speculators-seq1024-seed1"}  # fmt: skip
     assert [run for run, line in runs.items() if "--rerun" in line] == ["draftsmith-r45norms"]
+
+
+def test_the_larger_table_trains_draftsmiths_runs_before_the_capture_only_the_peers_read(tmp_path):
+    """bench/eagle3_larger.sh: draftsmith's runs are online and need the data stage only, so they come first and
+    the capture (hours on a CPU) runs once, right before the first peer run."""
+    repo = Path(__file__).resolve().parents[1]
+    work, out = tmp_path / "work", tmp_path / "record.json"
+    calls = tmp_path / "calls.txt"
+    fake = (
+        tmp_path / "py"
+    )  # as above; the data stage writes the budget, the capture its record, as the bench's do
+    fake.write_text(
+        f'#!/bin/sh\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\necho "$@" >> {calls}\n'
+        f'case "$*" in *"--stages data"*) mkdir -p {work}/data; echo {{}} > {work}/data/budget.json;;\n'
+        f'*"--stages capture"*) echo \'{{"capture": {{"positions": 1}}}}\' > {out};; esac\n'
+    )
+    fake.chmod(0o755)
+    env = dict(os.environ, PY=str(fake), WORK=str(work), OUT=str(out), STEPS="train")
+    subprocess.run(["bash", str(repo / "bench" / "eagle3_larger.sh")], env=env, check=True, cwd=repo)
+    stages = [line.split("--setting ")[1].split(":")[0] if "--setting" in line else line.split("--stages ")[1].split()[0]
+              for line in calls.read_text().splitlines()]  # fmt: skip
+    assert stages == ["data", "draftsmith-r45norms", "draftsmith-r45norms-seed1", "capture", "speculators-seq1024",
+                      "speculators-seq1024-seed1"]  # fmt: skip
