@@ -54,14 +54,21 @@ def markov_matters(draft: DSparkDraft, scale: float, seed: int, tokens: list[int
 
 
 def trained(target, block_size: int = 8, steps: int = 40, **options):
-    """A DSpark draft trained on the target's own greedy continuations, its Markov head then given a bias far
-    from zero, so a drafter that ignored it or chained it wrongly would draft otherwise."""
+    """A DSpark draft trained on the target's own greedy continuations (with the fixed slot decay these decoding
+    tests were sized with, unless ``options`` say otherwise), its Markov head then given a bias far from zero, so a
+    drafter that ignored it or chained it wrongly would draft otherwise."""
     batch = self_distilled_batch(target)
     counts = torch.bincount(batch.input_ids[batch.loss_mask.bool()], minlength=target.vocab_size)
     objective = build_objective(
         "dspark",
         target,
-        {"block_size": block_size, "anchors_per_row": 16, "markov_rank": 8, **options},
+        {
+            "block_size": block_size,
+            "anchors_per_row": 16,
+            "markov_rank": 8,
+            "slot_weighting": "decay",
+            **options,
+        },
         counts,
     )
     teacher = make_teacher(target, batch, objective.capture_layers, 64)

@@ -10,7 +10,7 @@ there whenever the chain is still being accepted.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 import torch
 from pydantic import Field
@@ -27,12 +27,9 @@ from draftsmith.train.schema import SECTION
 
 @dataclass(config=SECTION)
 class DSparkOptions(DFlashOptions):
-    """``draft.options`` of ``dspark``: DFlash's, and the Markov head's rank."""
+    """``draft.options`` of ``dspark``: DFlash's (D-PACE slot weights by default, on DSpark too: BENCHMARKS,
+    "Block drafters"), and the Markov head's rank."""
 
-    slot_weighting: Literal["decay", "dpace"] = "decay"
-    """How a block's slots are weighed (as DFlash's option); DSpark's default stays decay, the weighting its
-    3-seed default was trained with, until D-PACE (DFlash's default, ahead on DSpark's first seeds: BENCHMARKS,
-    "Block drafters") has its three seeds, the rule DFlash's change followed."""
     markov_rank: Annotated[int, Field(ge=1, le=MAX_MARKOV_RANK)] = 32
     """Rank r of the Markov head (its factors: the target's vocabulary x r and the draft vocabulary x r)."""
 
