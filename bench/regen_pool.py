@@ -37,7 +37,9 @@ def messages_of(text: str) -> list[dict[str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, required=True, help="a peer_training.py --work folder after its data stage")
+    p.add_argument(
+        "--work", type=Path, required=True, help="a peer_training.py --work folder after its data stage"
+    )
     p.add_argument("--out", type=Path, required=True, help="JSONL of {'messages': [...]} records")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
@@ -55,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             dropped += 1
     files.write_text(args.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    print(f"wrote {len(records)} conversations to {args.out} ({dropped} without a finished user turn and reply)")
+    print(
+        f"wrote {len(records)} conversations to {args.out} ({dropped} without a finished user turn and reply)"
+    )
     return 0
 
 

@@ -28,7 +28,9 @@ def main(export: str, io_in: str, io_out: str) -> None:
     model = PEagleDraftModel.from_pretrained(export, dtype=torch.float32).eval()
     saved = load_file(os.path.join(export, "model.safetensors"))
     built = model.state_dict()
-    loose = sorted(set(saved) ^ set(built)) + [n for n in saved if n in built and saved[n].shape != built[n].shape]
+    loose = sorted(set(saved) ^ set(built)) + [
+        n for n in saved if n in built and saved[n].shape != built[n].shape
+    ]
     if loose:  # its from_pretrained reports nothing: held against the file, name by name
         raise ValueError(f"SpecForge's PEagleDraftModel and {export} disagree on {loose}")
     io = load_file(io_in)

@@ -130,6 +130,8 @@ def test_every_engine_has_its_work_and_kinds_name_engines_by_record():
 
     for engine in export_engines():
         loaded(engine)
-        assert (engine.writers or engine.fallback) and engine.verify and engine.usage and engine.checked, engine
+        assert (engine.writers or engine.fallback) and engine.verify and engine.usage and engine.checked, (
+            engine
+        )
     assert engine_named("hf") is HF
     assert draft_kind("medusa").exports == (HF, VLLM) and draft_kind("eagle1").exports == (HF,)

@@ -106,4 +106,7 @@ def test_tau_over_drafting_steps_leaves_out_the_steps_that_proposed_nothing():
     stats = AcceptanceStats.from_lists([2, 0, 0, 0], [3, 3, 0, 0])
     assert stats.tau == pytest.approx((2 + 4) / 4)
     assert stats.tau_drafting == pytest.approx((2 + 2) / 2)  # what vLLM's mean acceptance length counts
-    assert AcceptanceStats.from_lists([1, 2], [3, 3]).tau_drafting == AcceptanceStats.from_lists([1, 2], [3, 3]).tau
+    assert (
+        AcceptanceStats.from_lists([1, 2], [3, 3]).tau_drafting
+        == AcceptanceStats.from_lists([1, 2], [3, 3]).tau
+    )

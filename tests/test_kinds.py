@@ -30,7 +30,8 @@ def test_every_kind_has_one_name_and_the_trainable_ones_an_objective():
     assert untrained & set(objective_kinds()) == set() and NGRAM in untrained
     with pytest.raises(ValueError, match="unknown draft kind 'egale3'.*Did you mean 'eagle3'"):
         draft_kind("egale3")
-    with pytest.raises(ValueError, match="Did you mean 'eagle3'"):  # as like 'peagle' by difflib's ratio alone
+    # as like 'peagle' by difflib's ratio alone
+    with pytest.raises(ValueError, match="Did you mean 'eagle3'"):
         draft_kind("eagle4")
 
 
