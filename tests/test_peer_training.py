@@ -360,6 +360,32 @@ def test_a_judged_run_whose_head_is_gone_stands_and_a_retrained_one_keeps_its_ea
     assert "earlier" not in results["draftsmith-b"]["earlier"][1]
 
 
+def test_a_run_trained_again_for_its_gone_head_resumes_its_checkpoint_and_a_finished_one_starts_over(
+    tmp_path, monkeypatch
+):
+    """Training again a run whose head is there starts from step 0 (--fresh); training again a judged run whose
+    head is gone (its work folder lost with a machine) does not, so a session that stopped it part way is not
+    thrown away by the next one, which goes on from its checkpoint."""
+    commands = {}
+
+    def fake_run(cmd, log, env):
+        commands[Path(cmd[cmd.index("--out") + 1]).name] = cmd
+        return {"returncode": 1, "wall_s": 1.0, "cpu_s": 1.0}  # stopped part way: the record stays as it was
+
+    monkeypatch.setattr(training, "run_timed", fake_run)
+    budget = {"train": {"positions": 100, "loss_tokens": 50}}
+    head = tmp_path / "head"
+    head.mkdir()
+    results = {
+        "draftsmith-gone": {"returncode": 0, "head": str(tmp_path / "gone"), "judge": {"tau": 1.7}},
+        "draftsmith-there": {"returncode": 0, "head": str(head), "judge": {"tau": 1.7}},
+    }
+    runs = {name: [] for name in results}
+    training.stage_train(tmp_path, [], budget, results, ablations=runs, rerun=True)
+    assert "--fresh" not in commands["draftsmith-gone"]
+    assert "--fresh" in commands["draftsmith-there"]
+
+
 def test_each_run_of_a_sweep_is_judged_on_the_heldout_rows_once_right_after_it_trains(tmp_path, monkeypatch):
     """The sweep's judge (bench/heldout_tau.py on the quickstart's held-out rows, k 5) runs after each run that
     finished, its τ kept in the run's record; a kept run without a judgement is judged once, a failed one not."""

@@ -65,9 +65,10 @@ def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None 
     ``results``, calling ``save`` after each so a bench cut short keeps the runs that finished. A run whose
     record stands (``standing``) is kept, not trained again (so a sweep stopped half way goes on where it
     stopped, on this machine or another), unless ``rerun`` is True or names it; a run trained again keeps its
-    earlier records under ``earlier`` and trains from step 0 (``fresh``), where one stopped part way goes on from
-    its last checkpoint. With ``judge``, each finished run's head is judged on the held-out
-    rows right after it trains (``judge_heldout``), so its judgement is kept even if the head is not."""
+    earlier records under ``earlier`` and trains from step 0 (``fresh``) if its head is still there; one stopped
+    part way goes on from its last checkpoint, also when it is a judged run trained again for its head. With
+    ``judge``, each finished run's head is judged on the held-out rows right after it trains (``judge_heldout``),
+    so its judgement is kept even if the head is not."""
     results = {} if results is None else results
     ablations = ablations or {}
     for run in [*runs, *ablations]:
@@ -90,7 +91,9 @@ def stage_train(work: Path, runs: list[str], budget: dict, results: dict | None 
 
         overrides = list(ablations.get(run, []))
         made = provenance(seed=run_seed(overrides, pipeline))  # each run's own, taken as it starts
-        fresh = standing(earlier) is not None  # asked to train a finished run again: not a resume of it
+        # a finished run asked to train again starts from step 0; one whose head is gone (judged on another
+        # machine or session) trains again here, and goes on from its own checkpoint if a session stopped it
+        fresh = finished(earlier)
         timed = run_timed(train_command(run, work, budget, overrides, fresh), out.with_suffix(".log"), env)
         report = out / "result.json"
         timed.update(
