@@ -40,9 +40,11 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 recorded() { [[ -f $OUT ]] && $PY -c 'import json, sys; sys.exit(not json.load(open(sys.argv[1])).get(sys.argv[2]))' "$OUT" "$1"; }
 # whether the record judged a run whose head is gone (runs/ lost with a machine): the dev run needs every head, so
 # such a run trains again (its earlier record kept under "earlier")
-head_gone() { [[ -f $OUT ]] && $PY -c 'import json, os, sys
+# (or is a part-trained one of that training going on again in its folder: bench/peerbench/training.py's head_there)
+head_gone() { [[ -f $OUT ]] && PYTHONPATH=bench $PY -c 'import json, sys
+from peerbench.training import head_there
 run = json.load(open(sys.argv[1])).get("train", {}).get(sys.argv[2]) or {}
-sys.exit(not (run.get("head") and not os.path.exists(run["head"])))' "$OUT" "$1"; }
+sys.exit(not (run.get("head") and not head_there(run)))' "$OUT" "$1"; }
 
 if has train; then
     [[ -f $WORK/data/budget.json ]] || $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages data --out "$OUT"

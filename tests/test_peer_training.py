@@ -360,6 +360,22 @@ def test_a_judged_run_whose_head_is_gone_stands_and_a_retrained_one_keeps_its_ea
     assert "earlier" not in results["draftsmith-b"]["earlier"][1]
 
 
+def test_a_head_exported_part_way_by_the_same_run_training_again_is_not_the_records_finished_head(tmp_path):
+    """draftsmith exports its draft at every validation, so the record's run training again in its own folder
+    leaves a head there whose train_state.json says an earlier step: that run is not finished (the bench would
+    skip it and the dev run judge a half-trained head), and a stopped retraining resumes instead of starting over."""
+    head = tmp_path / "head"
+    head.mkdir()
+    record = {"returncode": 0, "head": str(head), "steps": 3250, "judge": {"tau": 2.6}}
+    (head / "train_state.json").write_text(json.dumps({"step": 1700}))
+    assert not training.finished(record) and training.standing(record)  # judged: it stands unless asked again
+    (head / "train_state.json").write_text(json.dumps({"step": 3250}))
+    assert training.finished(record)
+    peer = tmp_path / "peer"  # a peer's head has no train_state.json: its folder is the head
+    peer.mkdir()
+    assert training.finished({"returncode": 0, "head": str(peer), "steps": 3250})
+
+
 def test_a_run_trained_again_for_its_gone_head_resumes_its_checkpoint_and_a_finished_one_starts_over(
     tmp_path, monkeypatch
 ):
@@ -645,8 +661,14 @@ def test_the_larger_table_trains_again_a_judged_run_whose_head_is_gone_since_the
     (dev / "report.json").write_text("{}")
     kept = tmp_path / "kept_head"
     kept.mkdir()
+    partial = (
+        tmp_path / "partial_head"
+    )  # the record's run training again in its folder: a part-trained export
+    partial.mkdir()
+    (partial / "train_state.json").write_text(json.dumps({"step": 1700}))
     out.write_text(json.dumps({"capture": {"done": True}, "train": {
         "draftsmith-r45norms": {"head": str(tmp_path / "gone"), "judge": {"tau": 2.6}},
+        "draftsmith-r45norms-seed1": {"head": str(partial), "steps": 3250, "judge": {"tau": 2.6}},
         "speculators-seq1024": {"head": str(kept), "judge": {"tau": 2.5}},
     }}))  # fmt: skip
     calls = tmp_path / "calls.txt"
@@ -662,7 +684,10 @@ def test_the_larger_table_trains_again_a_judged_run_whose_head_is_gone_since_the
             if "--setting" in line}  # fmt: skip
     assert set(runs) == {"draftsmith-r45norms", "speculators-seq1024", "draftsmith-r45norms-seed1",
                          "speculators-seq1024-seed1"}  # fmt: skip
-    assert [run for run, line in runs.items() if "--rerun" in line] == ["draftsmith-r45norms"]
+    assert [run for run, line in runs.items() if "--rerun" in line] == [
+        "draftsmith-r45norms",
+        "draftsmith-r45norms-seed1",
+    ]
 
 
 def test_the_larger_table_trains_draftsmiths_runs_before_the_capture_only_the_peers_read(tmp_path):

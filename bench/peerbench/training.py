@@ -32,14 +32,25 @@ def train_command(
     return [str(peer_python(pipeline)), str(BENCH / "peers" / f"{pipeline}_run.py"), *common, *extra]
 
 
+def head_there(record: dict | None) -> bool:
+    """Whether the head a run's record names is still there, and is that training's: draftsmith exports its draft
+    at every validation, so a training of the same run going on in the same folder (the record's run trained
+    again) leaves a head whose ``train_state.json`` says an earlier step than the record's; that is not the
+    record's head. A peer's head (no ``train_state.json``) counts when its folder is there."""
+    if not record or not record.get("head"):
+        return False
+    head = Path(record["head"])
+    if not head.exists():
+        return False
+    state = head / "train_state.json"
+    if state.exists() and record.get("steps") is not None:
+        return json.loads(state.read_text()).get("step") == record["steps"]
+    return True
+
+
 def finished(record: dict | None) -> bool:
-    """Whether a run's record is a finished training: it exited 0 and its head is still there."""
-    return (
-        bool(record)
-        and record.get("returncode") == 0
-        and bool(record.get("head"))
-        and Path(record["head"]).exists()
-    )
+    """Whether a run's record is a finished training: it exited 0 and its head is still there (``head_there``)."""
+    return bool(record) and record.get("returncode") == 0 and head_there(record)
 
 
 def judged(record: dict | None) -> bool:
