@@ -57,6 +57,15 @@ CHANGES = {  # run label -> (what it changes, the run it is compared with)
         "the default on the target's own answers: the same 1,886 prompts regenerated through vLLM (bench/regen_pool.py)",
         KEEPER,
     ),
+    # on the default, each in an --ablations record beside that record's own run of the default (bench/eagle3_ablations.sh)
+    "r45dopt": (
+        "the default with speculators' optimizer split: AdamW lr 1e-4 wd 0.01 on the rest, Muon lr 1e-3, clip 1.0",
+        KEEPER,
+    ),
+    "r45dlin": ("the default with speculators' schedule: linear decay to 0, warm-up 1 % (8 steps)", KEEPER),
+    "r45dnoise": ("the default with uniform feature noise +-0.05 on the tapped states", KEEPER),
+    "r45ddpace": ("the default with step_weighting dpace (D-PACE on the TTT chain, alpha 0.5)", KEEPER),
+    "r45dlk": ("the default with loss lk_hybrid (LK^lambda, eta 3)", KEEPER),
 }
 MUON_POINT = "draftsmith-b1muon"
 """The sweep's run of the same setting as ``BASE``: its seed-0 record stands in where ``BASE`` did not run."""
@@ -121,6 +130,35 @@ def larger_budget_rows(
     return rows
 
 
+def ablation_rows(
+    runs: dict, references: dict[str, float], dev: dict[str, float], record: Path
+) -> list[dict]:
+    """The ablation rows of one record's judged ``runs`` (draftsmith's, not a ``-seedN``), each with its held-out τ
+    against the run ``CHANGES`` names (its τ from ``references``; an unlisted run is compared with ``BASE``)."""
+    rows = []
+    for name, run in runs.items():
+        label = name.removeprefix("draftsmith-")
+        if "-seed" in label or not name.startswith("draftsmith-"):  # a seed, or a peer retrained here
+            continue
+        tau = run["judge"]["tau"]
+        change, against = CHANGES.get(label, ("; ".join(run.get("overrides", [])), BASE))
+        delta = tau - references[against] if against and against in references else None
+        rows.append({"run": name, "change": change, "heldout_tau": tau, "against": against, "delta": delta,
+                     "dev_tau": dev.get(name), "per_position": run["judge"].get("per_position"), "record": str(record),
+                     "commit": run["provenance"]["commit"], "machine": run["provenance"]["machine"]["cpu"],
+                     "flags": run["provenance"]["machine"].get("flags"), "date": run["provenance"]["date"],
+                     "wall_s": run.get("wall_s")})  # fmt: skip
+    return rows
+
+
+def judged_runs(record: dict) -> dict:
+    return {name: run for name, run in record["train"].items() if (run.get("judge") or {}).get("tau")}
+
+
+def existing(*paths: str) -> list[Path]:
+    return [Path(p) for p in paths if Path(p).exists()]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--record", type=Path, default=Path("bench/results/eagle3_recipe_400k.json"))
@@ -142,10 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the dev judge: draftsmith eval report.json files over the heads, the first the one interleaved run "
         "of the deciding table, later ones for ablations (greedy τ does not depend on what else ran)",
     )
-    p.add_argument("--larger", type=Path, nargs="*", default=[],
+    p.add_argument("--larger", type=Path, nargs="*", default=existing("bench/results/eagle3_recipe_1600k.json"),
                    help="peer_training records at a larger token budget (the default and peers' points trained there)")  # fmt: skip
-    p.add_argument("--larger-dev", type=Path, default=None,
+    p.add_argument("--larger-dev", type=Path, default=(existing("bench/results/eagle3_dev_1600k.json") or [None])[0],
                    help="one interleaved draftsmith eval report.json over the larger budget's heads")  # fmt: skip
+    p.add_argument("--ablations", type=Path, nargs="*", default=existing("bench/results/eagle3_ablations_400k.json"),
+                   help="peer_training records of ablations at the same budget, each with its own run of the default "
+                   "(KEEPER) that its rows are compared with: another machine's, whose precision may differ")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench/results/eagle3_recipe.json"))
     args = p.parse_args(argv)
     record = json.loads(args.record.read_text())
@@ -155,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         dev |= dev_taus(report, record["train"])
     dev_report = dev_reports[0] if dev_reports else None
     tokens = record["budget"]["tokens_asked"]
-    runs = {name: run for name, run in record["train"].items() if (run.get("judge") or {}).get("tau")}
+    runs = judged_runs(record)
     references = {name: run["judge"]["tau"] for name, run in runs.items()}
     base_from = str(args.record)
     if BASE not in references:  # the same setting, seed 0, from the sweep (the same data, capture and judge)
@@ -165,25 +206,26 @@ def main(argv: list[str] | None = None) -> int:
                 references[BASE], base_from = judged["heldout_tau"]["values"][0], f"{path} ({MUON_POINT})"
     base = references[BASE]
 
-    ablations = []
     print(
         f"Ablations at {tokens:,} tokens, one seed each (held-out judge, k 5); {BASE} {base:.3f} from {base_from}"
     )
-    for name, run in runs.items():
-        label = name.removeprefix("draftsmith-")
-        if "-seed" in label or not name.startswith("draftsmith-"):  # a seed, or a peer retrained here
-            continue
-        tau = run["judge"]["tau"]
-        change, against = CHANGES.get(label, ("; ".join(run.get("overrides", [])), BASE))
-        delta = tau - references[against] if against else None
-        row = {"run": name, "change": change, "heldout_tau": tau, "against": against, "delta": delta,
-               "dev_tau": dev.get(name), "per_position": run["judge"].get("per_position"), "commit": run["provenance"]["commit"],
-               "machine": run["provenance"]["machine"]["cpu"], "date": run["provenance"]["date"],
-               "wall_s": run.get("wall_s")}  # fmt: skip
-        ablations.append(row)
-        shown = f"{delta:+6.3f} vs {against.removeprefix('draftsmith-')}" if against else ""
-        dev_cell = f"dev {dev[name]:.3f}" if name in dev else ""
-        print(f"  {label:10s} {tau:6.3f} {shown:18s} {dev_cell:9s} {row['change']}")
+    ablations = ablation_rows(runs, references, dev, args.record)
+    for path in args.ablations:  # another machine's ablations, against its own run of the default
+        other = judged_runs(json.loads(path.read_text()))
+        if other.keys() - {KEEPER} and KEEPER not in other:
+            raise SystemExit(f"{path}: no judged run of the default ({KEEPER}) to compare its ablations with")
+        ablations += ablation_rows(other, {n: r["judge"]["tau"] for n, r in other.items()}, {}, path)
+    for row in ablations:
+        against = row["against"]
+        shown = (
+            f"{row['delta']:+6.3f} vs {against.removeprefix('draftsmith-')}"
+            if row["delta"] is not None
+            else ""
+        )
+        dev_cell = f"dev {row['dev_tau']:.3f}" if row["dev_tau"] is not None else ""
+        where = "" if row["record"] == str(args.record) else f" [{Path(row['record']).name}]"
+        label = row["run"].removeprefix("draftsmith-")
+        print(f"  {label:10s} {row['heldout_tau']:6.3f} {shown:18s} {dev_cell:9s} {row['change']}{where}")
 
     keeper = [runs[n]["judge"]["tau"] for n in (KEEPER, f"{KEEPER}-seed1", f"{KEEPER}-seed2") if n in runs]
     keeper_runs = [n for n in (KEEPER, f"{KEEPER}-seed1", f"{KEEPER}-seed2") if n in runs]
@@ -236,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
               "heldout_spread": [spread(row["heldout_tau"]) for row in summary],
               "dev_spread": [spread(row["dev_tau"]) for row in summary], "dev_judge": dev_judge(dev_report, args.dev[0]),
               "dev_reports": [str(p) for p in args.dev if p.exists()], "larger": [str(p) for p in args.larger],
+              "ablation_records": [str(p) for p in args.ablations],
               "larger_dev_judge": dev_judge(larger_report, args.larger_dev)}  # fmt: skip
     write_json(args.out, result)
     return 0

@@ -711,3 +711,64 @@ def test_the_larger_table_trains_draftsmiths_runs_before_the_capture_only_the_pe
               for line in calls.read_text().splitlines()]  # fmt: skip
     assert stages == ["data", "draftsmith-r45norms", "draftsmith-r45norms-seed1", "capture", "speculators-seq1024",
                       "speculators-seq1024-seed1"]  # fmt: skip
+
+
+def test_ablations_of_another_machine_are_compared_with_that_machines_own_run_of_the_default(tmp_path):
+    """bench/eagle3_recipe.py --ablations: a record trained on another machine (float32 there, bf16-mixed in the
+    table's) holds its own run of the default, and each of its ablations is set against that run, not against the
+    table's default; such a record without a judged default is refused by name."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import eagle3_recipe
+
+    def run(tau, overrides=()):
+        machine = {"cpu": "AMD EPYC", "flags": ["avx2"]}
+        return {"judge": {"tau": tau}, "overrides": list(overrides),
+                "provenance": {"commit": "c", "machine": machine, "date": "2026-12-07"}}  # fmt: skip
+
+    table = {"budget": {"tokens_asked": 409600},
+             "train": {eagle3_recipe.KEEPER: run(2.22), "draftsmith-r45base": run(1.96)}}  # fmt: skip
+    other = {"budget": {"tokens_asked": 409600},
+             "train": {eagle3_recipe.KEEPER: run(2.10), "draftsmith-r45dnoise": run(2.15)}}  # fmt: skip
+    paths = {name: tmp_path / f"{name}.json" for name in ("table", "other", "peers")}
+    paths["table"].write_text(json.dumps(table))
+    paths["other"].write_text(json.dumps(other))
+    paths["peers"].write_text(json.dumps({"summary": {}}))
+    out = tmp_path / "out.json"
+    common = ["--record", str(paths["table"]), "--peers", str(paths["peers"]), "--dev", str(tmp_path / "none.json"),
+              "--larger", "--out", str(out)]  # fmt: skip
+    eagle3_recipe.main([*common, "--ablations", str(paths["other"])])
+    rows = {(r["run"], Path(r["record"]).name): r for r in json.loads(out.read_text())["ablations"]}
+    noise = rows[("draftsmith-r45dnoise", "other.json")]
+    assert noise["against"] == eagle3_recipe.KEEPER and noise["delta"] == pytest.approx(2.15 - 2.10)
+    assert rows[(eagle3_recipe.KEEPER, "table.json")]["delta"] == pytest.approx(2.22 - 1.96)
+    del other["train"][eagle3_recipe.KEEPER]
+    paths["other"].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="no judged run of the default"):
+        eagle3_recipe.main([*common, "--ablations", str(paths["other"])])
+
+
+def test_the_ablation_script_trains_the_default_first_then_each_change_once_then_the_table(tmp_path):
+    """bench/eagle3_ablations.sh: the data stage when missing, the machine's own run of the default before any
+    ablation (every row is compared with it), each ablation as the default plus its change, then the table."""
+    repo = Path(__file__).resolve().parents[1]
+    work, out = tmp_path / "work", tmp_path / "record.json"
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "py"  # records every bench call instead of running it; the data stage writes the budget
+    fake.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n'
+        f'case "$*" in *"--stages data"*) mkdir -p {work}/data; echo {{}} > {work}/data/budget.json;; esac\n'
+    )
+    fake.chmod(0o755)
+    env = dict(os.environ, PY=str(fake), WORK=str(work), OUT=str(out))
+    subprocess.run(["bash", str(repo / "bench" / "eagle3_ablations.sh")], env=env, check=True, cwd=repo)
+    lines = calls.read_text().splitlines()
+    assert "--stages data" in lines[0] and "eagle3_recipe.py --ablations" in lines[-1]
+    settings = [line.split("--setting ")[1].split()[0] for line in lines if "--setting" in line]
+    names = [s.split(":")[0] for s in settings]
+    assert names[0] == "draftsmith-r45norms" and len(set(names)) == len(names) >= 6
+    default = set(settings[0].split(":")[1].split(","))
+    for setting in settings[1:]:
+        changed = set(setting.split(":")[1].split(",")) ^ default
+        assert 1 <= len(changed) <= 6, (
+            setting
+        )  # the default plus one change (one option or one optimizer split)
