@@ -140,6 +140,32 @@ DRAFTS = {
             "slot_weighting": "dpace",
         },  # fmt: skip
     },
+    # one change each on DFlash's default (every anchor, D-PACE), as the block drafter issue lists them
+    "dflash-L3-b8-a512-dpace": {  # 3 layers (the peers train 5)
+        "kind": "dflash",
+        "options": {
+            "num_layers": 3,
+            "block_size": 8,
+            "draft_vocab_size": VOCAB,
+            "anchors_per_row": 512,
+            "slot_weighting": "dpace",
+        },  # fmt: skip
+    },
+    "dflash-L1-b8-a512-dpace-fullhead": {  # the target's LM head, frozen, over its whole vocabulary
+        "kind": "dflash",
+        "options": {"num_layers": 1, "block_size": 8, "anchors_per_row": 512, "slot_weighting": "dpace"},
+    },
+    "dflash-L1-b8-a512-dpace-noise": {  # uniform feature noise +-0.05 in training steps (speculators')
+        "kind": "dflash",
+        "options": {
+            "num_layers": 1,
+            "block_size": 8,
+            "draft_vocab_size": VOCAB,
+            "anchors_per_row": 512,
+            "slot_weighting": "dpace",
+            "feature_noise": 0.05,
+        },  # fmt: skip
+    },
     "dflash-L1-b8-a512-fullhead": {  # the target's LM head, frozen, over its whole vocabulary (the peers' head)
         "kind": "dflash",
         "options": {"slot_weighting": "decay", "num_layers": 1, "block_size": 8, "anchors_per_row": 512},

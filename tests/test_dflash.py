@@ -289,6 +289,50 @@ def test_by_default_a_block_weighs_its_slots_by_dpace_on_dflash_and_dspark_alike
     assert (dflash.slot_weighting, dspark.slot_weighting) == ("dpace", "dpace")
 
 
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_feature_noise_moves_a_blocks_features_in_training_steps_only(kind):
+    """``feature_noise`` a on a block kind: the training loss reads the tapped features moved by uniform noise (a
+    loss unlike the noiseless one's, the features it reads within a of the target's), while validation's walk and
+    the draft in eval mode read them untouched; a negative a is refused by name."""
+    target = tiny_target("llama", layers=4)
+    batch = self_distilled_batch(target)
+    counts = torch.bincount(batch.input_ids[batch.loss_mask.bool()], minlength=target.vocab_size)
+    extra = {"markov_rank": 4} if kind == "dspark" else {}
+    noisy = build_objective(
+        kind, target, {"block_size": 4, "anchors_per_row": 16, "feature_noise": 0.05, **extra}, counts
+    )
+    plain = build_objective(kind, target, {"block_size": 4, "anchors_per_row": 16, **extra}, counts)
+    teacher = make_teacher(target, batch, noisy.capture_layers, 64)
+    torch.manual_seed(0)
+    draft = noisy.build_draft()
+    seen = []
+    forward = draft.forward
+    draft.forward = lambda *a, **kw: seen.append(kw["features"]) or forward(*a, **kw)
+    draft.train()
+    with torch.no_grad():
+        torch.manual_seed(1)
+        a = noisy.loss(draft, batch, teacher)["loss"]
+        torch.manual_seed(1)  # the same anchors
+        b = plain.loss(draft, batch, teacher)["loss"]
+        assert not torch.equal(a, b)
+        moved = max(float((seen[0][i] - teacher.features[i]).abs().max()) for i in noisy.capture_layers)
+        assert 0.025 < moved <= 0.05 + 1e-6 and all(
+            seen[1][i] is teacher.features[i] for i in plain.capture_layers
+        )
+        seen.clear()
+        noisy.chain_lengths(draft, batch, teacher, 3)  # validation's walk, the draft still in training mode
+        rows = range(batch.input_ids.shape[0])
+        assert seen and all(any(torch.equal(f[i], teacher.features[i][r : r + 1]) for r in rows)
+                            for f in seen for i in noisy.capture_layers)  # fmt: skip
+        draft.eval()
+        torch.manual_seed(1)
+        c = noisy.loss(draft, batch, teacher)["loss"]
+        torch.manual_seed(1)
+        assert torch.equal(c, plain.loss(draft, batch, teacher)["loss"])
+    with pytest.raises(ValueError, match="feature_noise"):
+        check_objective_options(kind, {"feature_noise": -0.1})
+
+
 # ---- bad input ----------------------------------------------------------------------------------------
 
 

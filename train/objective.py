@@ -73,6 +73,14 @@ class Teacher:
     topk_ids: torch.Tensor | None = None
 
 
+def feature_noise(features: dict[int, torch.Tensor], a: float) -> dict[int, torch.Tensor]:
+    """``features`` with uniform noise in [-a, a] added to each (the same dict at a = 0): a draft kind's
+    ``feature_noise`` option, for its training steps only, so the draft learns to read slightly wrong features."""
+    if not a:
+        return features
+    return {i: f + (torch.rand_like(f) * 2 - 1) * a for i, f in features.items()}
+
+
 class Objective(ABC):
     """One draft kind's model and loss."""
 

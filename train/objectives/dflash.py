@@ -31,7 +31,7 @@ from draftsmith.drafts.base import DFLASH
 from draftsmith.drafts.dflash import MAX_BLOCK, DFlashConfig, DFlashDraft, block_inputs
 from draftsmith.drafts.eagle_parts import build_vocab_map, packed_segments
 from draftsmith.train.losses import dpace_weights, soft_topk_cross_entropy
-from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.objective import Batch, Objective, Teacher, feature_noise
 from draftsmith.train.objectives.common import chain_starts, same_conversation, shift_left, teacher_greedy
 from draftsmith.train.registry import register_objective
 from draftsmith.train.schema import SECTION
@@ -80,6 +80,9 @@ class DFlashOptions:
     """Cross-entropy on the target's greedy token instead of its top-k distribution."""
     teacher_topk: Annotated[int, Field(ge=1)] = 64
     """The target's largest logits per position the soft targets are made of."""
+    feature_noise: Annotated[float, Field(ge=0)] = 0.0
+    """Uniform noise in [-feature_noise, feature_noise] added to the target's tapped features in training steps
+    only (validation's walk reads them untouched), as EAGLE's option of the same name (speculators 0.05)."""
 
 
 class DFlashObjective(Objective):
@@ -118,6 +121,7 @@ class DFlashObjective(Objective):
         self.slot_weights = [math.exp(-i / gamma) for i in range(block - 1)]
         self.slot_weighting, self.dpace_alpha = o.slot_weighting, o.dpace_alpha
         self.hard_labels = o.hard_labels
+        self.feature_noise = o.feature_noise
         self.teacher_topk = 1 if self.hard_labels else o.teacher_topk
         model = target.model
         self.embed_weight = model.get_input_embeddings().weight  # the target's, shared: never copied
@@ -155,6 +159,8 @@ class DFlashObjective(Objective):
             & keep[..., None]
         )
         features = {i: teacher.features[i] for i in self.capture_layers}
+        if draft.training and not walk:
+            features = feature_noise(features, self.feature_noise)
         return draft(F.embedding(ids, self.embed_weight), block_positions, context_mask, features=features,
                      feature_positions=positions, target_head=self.lm_head,
                      **self.slot_inputs(batch, teacher, anchors, walk))  # fmt: skip

@@ -42,7 +42,7 @@ from draftsmith.train.losses import (
     teacher_entropy,
     topk_acceptance,
 )
-from draftsmith.train.objective import Batch, Objective, Teacher
+from draftsmith.train.objective import Batch, Objective, Teacher, feature_noise
 from draftsmith.train.objectives.common import (
     chain_starts,
     masked_mean,
@@ -368,10 +368,7 @@ class EagleObjective(Objective):
 
     def noisy(self, features: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """The target's features with ``feature_noise``'s uniform noise added (unchanged at 0)."""
-        if not self.feature_noise:
-            return features
-        a = self.feature_noise
-        return {i: f + (torch.rand_like(f) * 2 - 1) * a for i, f in features.items()}
+        return feature_noise(features, self.feature_noise)
 
     @torch.no_grad()
     def chain_lengths(
