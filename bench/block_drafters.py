@@ -166,6 +166,17 @@ DRAFTS = {
             "feature_noise": 0.05,
         },  # fmt: skip
     },
+    "dflash-L1-b8-a512-dpace-lk": {  # LK^lambda per slot: KL's gradient from a cold start (speculators' lk_hybrid)
+        "kind": "dflash",
+        "options": {
+            "num_layers": 1,
+            "block_size": 8,
+            "draft_vocab_size": VOCAB,
+            "anchors_per_row": 512,
+            "slot_weighting": "dpace",
+            "loss": "lk_hybrid",
+        },  # fmt: skip
+    },
     "dflash-L1-b8-a512-fullhead": {  # the target's LM head, frozen, over its whole vocabulary (the peers' head)
         "kind": "dflash",
         "options": {"slot_weighting": "decay", "num_layers": 1, "block_size": 8, "anchors_per_row": 512},

@@ -333,6 +333,52 @@ def test_feature_noise_moves_a_blocks_features_in_training_steps_only(kind):
         check_objective_options(kind, {"feature_noise": -0.1})
 
 
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_the_lk_loss_of_a_block_is_kl_and_acceptance_mixed_per_slot_and_trains_from_cold(kind):
+    """``loss: lk_hybrid`` on a block kind: with the fixed decay, the loss is the decay-weighted mean over slots of
+    λ·KL(p || q) + (1 - λ)·(1 - Σ min(p, q)), λ = exp(-3·Σ min(p, q)), computed here by hand from the block's
+    logits and the teacher's top-k; it trains a draft from its start (finite, falling); with hard_labels it is
+    refused naming both options."""
+    target = tiny_target("llama", layers=4)
+    batch = self_distilled_batch(target)
+    counts = torch.bincount(batch.input_ids[batch.loss_mask.bool()], minlength=target.vocab_size)
+    extra = {"markov_rank": 4} if kind == "dspark" else {}
+    options = {
+        "block_size": 4,
+        "anchors_per_row": 16,
+        "slot_weighting": "decay",
+        "loss": "lk_hybrid",
+        **extra,
+    }
+    objective = build_objective(kind, target, options, counts)
+    teacher = make_teacher(target, batch, objective.capture_layers, 64)
+    torch.manual_seed(0)
+    draft = objective.build_draft().eval()
+    with torch.no_grad():
+        torch.manual_seed(1)
+        got = objective.loss(draft, batch, teacher)["loss"]
+        torch.manual_seed(1)  # the same anchors, by hand
+        anchors, keep = objective.sample_anchors(batch)
+        where, pos = objective.slot_labels(batch, teacher, anchors, keep)
+        logits = objective.block_logits(draft, batch, teacher, anchors, keep)
+    total = weights = 0.0
+    for b, n, i in where.nonzero().tolist():
+        ids = objective.draft_index[teacher.topk_ids[b, pos[b, n, i]]]
+        p = teacher.topk_logits[b, pos[b, n, i]].float().masked_fill(ids < 0, -math.inf).softmax(-1)
+        log_q = logits[b, n, i].float().log_softmax(-1)[ids.clamp_min(0)]
+        inside = ids >= 0
+        kl = float((p[inside] * (p[inside].log() - log_q[inside])).sum())
+        alpha = float(torch.minimum(p[inside], log_q[inside].exp()).sum())
+        lam = math.exp(-3 * alpha)
+        total += objective.slot_weights[i] * (lam * kl + (1 - lam) * (1 - alpha))
+        weights += objective.slot_weights[i]
+    assert float(got) == pytest.approx(total / weights, rel=1e-4)
+    _, losses, _ = train(objective, batch, teacher, steps=12)
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.9 * losses[0]
+    with pytest.raises(ValueError, match="hard_labels"):
+        build_objective(kind, target, {**options, "hard_labels": True}, counts)
+
+
 # ---- bad input ----------------------------------------------------------------------------------------
 
 

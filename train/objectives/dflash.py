@@ -30,7 +30,13 @@ from torch import nn
 from draftsmith.drafts.base import DFLASH
 from draftsmith.drafts.dflash import MAX_BLOCK, DFlashConfig, DFlashDraft, block_inputs
 from draftsmith.drafts.eagle_parts import build_vocab_map, packed_segments
-from draftsmith.train.losses import dpace_weights, soft_topk_cross_entropy
+from draftsmith.train.losses import (
+    dpace_weights,
+    lk_hybrid,
+    soft_topk_cross_entropy,
+    teacher_entropy,
+    topk_acceptance,
+)
 from draftsmith.train.objective import Batch, Objective, Teacher, feature_noise
 from draftsmith.train.objectives.common import chain_starts, same_conversation, shift_left, teacher_greedy
 from draftsmith.train.registry import register_objective
@@ -80,6 +86,10 @@ class DFlashOptions:
     """Cross-entropy on the target's greedy token instead of its top-k distribution."""
     teacher_topk: Annotated[int, Field(ge=1)] = 64
     """The target's largest logits per position the soft targets are made of."""
+    loss: Literal["kl", "lk_hybrid"] = "kl"
+    """Per-slot loss against the target's top-k: kl (the soft cross-entropy), lk_hybrid (LK^λ, arXiv 2602.23881:
+    λ·KL + (1 - λ)·(1 - acceptance), λ = exp(-3·acceptance), as EAGLE's option: KL's gradient while the draft is far
+    from the target, a block drafter's cold start; not with hard_labels)."""
     feature_noise: Annotated[float, Field(ge=0)] = 0.0
     """Uniform noise in [-feature_noise, feature_noise] added to the target's tapped features in training steps
     only (validation's walk reads them untouched), as EAGLE's option of the same name (speculators 0.05)."""
@@ -120,7 +130,12 @@ class DFlashObjective(Objective):
         gamma = DEFAULT_GAMMA.get(block, block / 2) if o.gamma is None else o.gamma
         self.slot_weights = [math.exp(-i / gamma) for i in range(block - 1)]
         self.slot_weighting, self.dpace_alpha = o.slot_weighting, o.dpace_alpha
-        self.hard_labels = o.hard_labels
+        if o.hard_labels and o.loss != "kl":
+            raise ValueError(
+                f"draft.options.loss {o.loss!r} scores the target's top-k distribution; draft.options.hard_labels "
+                "scores its greedy token alone: set one of them"
+            )
+        self.hard_labels, self.loss_name = o.hard_labels, o.loss
         self.feature_noise = o.feature_noise
         self.teacher_topk = 1 if self.hard_labels else o.teacher_topk
         model = target.model
@@ -218,11 +233,14 @@ class DFlashObjective(Objective):
             labels = draft_index[greedy[counts]]
             ce, has_mass = F.cross_entropy(selected, labels.clamp_min(0), reduction="none"), labels >= 0
         else:
-            ce, has_mass = soft_topk_cross_entropy(
-                selected,
-                teacher.topk_logits[rows, teacher_pos][counts],
-                draft_index[teacher.topk_ids[rows, teacher_pos][counts]],
-            )
+            t_logits = teacher.topk_logits[rows, teacher_pos][counts]
+            t_draft = draft_index[teacher.topk_ids[rows, teacher_pos][counts]]
+            ce, has_mass = soft_topk_cross_entropy(selected, t_logits, t_draft)
+            if self.loss_name == "lk_hybrid":
+                acceptance = topk_acceptance(selected, t_logits, t_draft)
+                ce = torch.where(
+                    has_mass, lk_hybrid(ce - teacher_entropy(t_logits, t_draft), acceptance), 0.0
+                )
         hits = (d2t[logits.argmax(-1)] == greedy) & counts
         logs = {"tokens": counts[..., 0].sum().float()}
         if self.slot_weighting == "dpace":
