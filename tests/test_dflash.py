@@ -338,7 +338,7 @@ def test_the_lk_loss_of_a_block_is_kl_and_acceptance_mixed_per_slot_and_trains_f
     """``loss: lk_hybrid`` on a block kind: with the fixed decay, the loss is the decay-weighted mean over slots of
     λ·KL(p || q) + (1 - λ)·(1 - Σ min(p, q)), λ = exp(-3·Σ min(p, q)), computed here by hand from the block's
     logits and the teacher's top-k; it trains a draft from its start (finite, falling); with hard_labels it is
-    refused naming both options."""
+    refused at config time naming both options."""
     target = tiny_target("llama", layers=4)
     batch = self_distilled_batch(target)
     counts = torch.bincount(batch.input_ids[batch.loss_mask.bool()], minlength=target.vocab_size)
@@ -375,8 +375,8 @@ def test_the_lk_loss_of_a_block_is_kl_and_acceptance_mixed_per_slot_and_trains_f
     assert float(got) == pytest.approx(total / weights, rel=1e-4)
     _, losses, _ = train(objective, batch, teacher, steps=12)
     assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.9 * losses[0]
-    with pytest.raises(ValueError, match="hard_labels"):
-        build_objective(kind, target, {**options, "hard_labels": True}, counts)
+    with pytest.raises(ValueError, match="loss 'lk_hybrid' scores the target's top-k .* hard_labels"):
+        check_objective_options(kind, {**options, "hard_labels": True})  # at config time, before any target
 
 
 # ---- bad input ----------------------------------------------------------------------------------------

@@ -79,6 +79,9 @@ def parse_options(kind: str, cls: type, options: dict[str, Any]) -> dict[str, An
             key = ".".join(str(part) for part in e["loc"])
             if e["type"] == "unexpected_keyword_argument":
                 raise unknown_key(f"draft.options.{key}", fields, f"draft.options of kind {kind!r}") from None
+            if not key and e["type"] == "value_error":  # a check across options (the class's __post_init__)
+                problems.append(str((e.get("ctx") or {}).get("error", e["msg"])))
+                continue
             problems.append(_option_problem(f"draft.options.{key}", e))
         raise ValueError(f"draft.options of kind {kind!r}: " + "; ".join(problems)) from None
 

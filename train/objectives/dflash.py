@@ -94,6 +94,13 @@ class DFlashOptions:
     """Uniform noise in [-feature_noise, feature_noise] added to the target's tapped features in training steps
     only (validation's walk reads them untouched), as EAGLE's option of the same name (speculators 0.05)."""
 
+    def __post_init__(self):
+        if self.hard_labels and self.loss != "kl":
+            raise ValueError(
+                f"loss {self.loss!r} scores the target's top-k distribution and hard_labels its greedy token alone: "
+                "set one of them"
+            )
+
 
 class DFlashObjective(Objective):
     """DFlash draft + position-weighted (soft or hard) cross-entropy; see the module docstring."""
@@ -130,11 +137,6 @@ class DFlashObjective(Objective):
         gamma = DEFAULT_GAMMA.get(block, block / 2) if o.gamma is None else o.gamma
         self.slot_weights = [math.exp(-i / gamma) for i in range(block - 1)]
         self.slot_weighting, self.dpace_alpha = o.slot_weighting, o.dpace_alpha
-        if o.hard_labels and o.loss != "kl":
-            raise ValueError(
-                f"draft.options.loss {o.loss!r} scores the target's top-k distribution; draft.options.hard_labels "
-                "scores its greedy token alone: set one of them"
-            )
         self.hard_labels, self.loss_name = o.hard_labels, o.loss
         self.feature_noise = o.feature_noise
         self.teacher_topk = 1 if self.hard_labels else o.teacher_topk
