@@ -43,6 +43,9 @@ REPO = BENCH.parent
 VOCAB = 8192
 # Every block drafter names its anchors and slot weighting, so a setting keeps meaning what it was trained with
 # when a default moves (anchors 64 -> 512, then decay -> D-PACE); tests/test_block_judge.py checks it.
+DFLASH_DEFAULT = {"num_layers": 1, "block_size": 8, "draft_vocab_size": VOCAB, "anchors_per_row": 512,
+                  "slot_weighting": "dpace"}  # fmt: skip
+"""DFlash's default on the quickstart recipe (every anchor, D-PACE): the base of its one-change ablations."""
 DRAFTS = {
     "eagle3": None,  # the quickstart's own draft section
     "dflash-L1-b8": {
@@ -130,52 +133,23 @@ DRAFTS = {
     },
     # one change each on the new default (dflash-L1-b8-a512), where speculators' tuned DFlash (D-PACE, the target's
     # frozen full LM head) drew level with it
-    "dflash-L1-b8-a512-dpace": {  # D-PACE slot weights
-        "kind": "dflash",
-        "options": {
-            "num_layers": 1,
-            "block_size": 8,
-            "draft_vocab_size": VOCAB,
-            "anchors_per_row": 512,
-            "slot_weighting": "dpace",
-        },  # fmt: skip
-    },
+    "dflash-L1-b8-a512-dpace": {"kind": "dflash", "options": dict(DFLASH_DEFAULT)},  # D-PACE slot weights
     # one change each on DFlash's default (every anchor, D-PACE), as the block drafter issue lists them
-    "dflash-L3-b8-a512-dpace": {  # 3 layers (the peers train 5)
+    "dflash-L3-b8-a512-dpace": {
         "kind": "dflash",
-        "options": {
-            "num_layers": 3,
-            "block_size": 8,
-            "draft_vocab_size": VOCAB,
-            "anchors_per_row": 512,
-            "slot_weighting": "dpace",
-        },  # fmt: skip
-    },
+        "options": {**DFLASH_DEFAULT, "num_layers": 3},
+    },  # the peers: 5
     "dflash-L1-b8-a512-dpace-fullhead": {  # the target's LM head, frozen, over its whole vocabulary
         "kind": "dflash",
-        "options": {"num_layers": 1, "block_size": 8, "anchors_per_row": 512, "slot_weighting": "dpace"},
+        "options": {key: value for key, value in DFLASH_DEFAULT.items() if key != "draft_vocab_size"},
     },
     "dflash-L1-b8-a512-dpace-noise": {  # uniform feature noise +-0.05 in training steps (speculators')
         "kind": "dflash",
-        "options": {
-            "num_layers": 1,
-            "block_size": 8,
-            "draft_vocab_size": VOCAB,
-            "anchors_per_row": 512,
-            "slot_weighting": "dpace",
-            "feature_noise": 0.05,
-        },  # fmt: skip
+        "options": {**DFLASH_DEFAULT, "feature_noise": 0.05},
     },
     "dflash-L1-b8-a512-dpace-lk": {  # LK^lambda per slot: KL's gradient from a cold start (speculators' lk_hybrid)
         "kind": "dflash",
-        "options": {
-            "num_layers": 1,
-            "block_size": 8,
-            "draft_vocab_size": VOCAB,
-            "anchors_per_row": 512,
-            "slot_weighting": "dpace",
-            "loss": "lk_hybrid",
-        },  # fmt: skip
+        "options": {**DFLASH_DEFAULT, "loss": "lk_hybrid"},
     },
     "dflash-L1-b8-a512-fullhead": {  # the target's LM head, frozen, over its whole vocabulary (the peers' head)
         "kind": "dflash",
