@@ -649,11 +649,29 @@ def test_the_eagle3_deciding_table_takes_a_larger_budget_per_point(tmp_path):
     assert rows[1]["trained_in"] == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
 
 
+def run_bench_script(
+    tmp_path: Path, script: str, env: dict, stages: dict[str, str] | None = None
+) -> list[str]:
+    """Run ``bench/<script>`` with a stand-in for python that runs the script's inline ``-c`` checks and records
+    every other call instead of running it; ``stages`` maps a ``--stages`` name to the shell the stand-in runs
+    for it (writing what that stage writes). Returns the recorded calls, one line each."""
+    calls, fake = tmp_path / "calls.txt", tmp_path / "py"
+    calls.unlink(missing_ok=True)
+    cases = "".join(f'*"--stages {stage}"*) {shell};;\n' for stage, shell in (stages or {}).items())
+    fake.write_text(
+        f'#!/bin/sh\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\necho "$@" >> {calls}\n'
+        + (f'case "$*" in\n{cases}esac\n' if cases else "")
+    )
+    fake.chmod(0o755)
+    env = dict(os.environ, PY=str(fake), **env)
+    subprocess.run(["bash", str(REPO / "bench" / script)], env=env, check=True, cwd=REPO)
+    return calls.read_text().splitlines() if calls.exists() else []
+
+
 def test_the_larger_table_trains_again_a_judged_run_whose_head_is_gone_since_the_dev_run_needs_it(tmp_path):
     """bench/eagle3_larger.sh: a run the record judged but whose head went with a machine's runs/ is trained again
     (``--rerun``) before the dev run, which reads every head; runs whose heads are there, or that are not recorded,
     are not asked to."""
-    repo = Path(__file__).resolve().parents[1]
     work, out, dev = tmp_path / "work", tmp_path / "record.json", tmp_path / "dev"
     (work / "data").mkdir(parents=True)
     (work / "data" / "budget.json").write_text("{}")
@@ -671,17 +689,10 @@ def test_the_larger_table_trains_again_a_judged_run_whose_head_is_gone_since_the
         "draftsmith-r45norms-seed1": {"head": str(partial), "steps": 3250, "judge": {"tau": 2.6}},
         "speculators-seq1024": {"head": str(kept), "judge": {"tau": 2.5}},
     }}))  # fmt: skip
-    calls = tmp_path / "calls.txt"
-    fake = tmp_path / "py"  # runs the script's inline checks, records every bench call instead of running it
-    fake.write_text(
-        f'#!/bin/sh\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\necho "$@" >> {calls}\n'
-    )
-    fake.chmod(0o755)
-    env = dict(os.environ, PY=str(fake), DRAFTSMITH="true", WORK=str(work), OUT=str(out), DEV=str(dev),
-               DEV_RESULT=os.devnull, STEPS="train dev")  # fmt: skip
-    subprocess.run(["bash", str(repo / "bench" / "eagle3_larger.sh")], env=env, check=True, cwd=repo)
-    runs = {line.split("--setting ")[1].split(":")[0]: line for line in calls.read_text().splitlines()
-            if "--setting" in line}  # fmt: skip
+    env = dict(DRAFTSMITH="true", WORK=str(work), OUT=str(out), DEV=str(dev), DEV_RESULT=os.devnull,
+               STEPS="train dev")  # fmt: skip
+    lines = run_bench_script(tmp_path, "eagle3_larger.sh", env)
+    runs = {line.split("--setting ")[1].split(":")[0]: line for line in lines if "--setting" in line}
     assert set(runs) == {"draftsmith-r45norms", "speculators-seq1024", "draftsmith-r45norms-seed1",
                          "speculators-seq1024-seed1"}  # fmt: skip
     assert [run for run, line in runs.items() if "--rerun" in line] == [
@@ -693,22 +704,14 @@ def test_the_larger_table_trains_again_a_judged_run_whose_head_is_gone_since_the
 def test_the_larger_table_trains_draftsmiths_runs_before_the_capture_only_the_peers_read(tmp_path):
     """bench/eagle3_larger.sh: draftsmith's runs are online and need the data stage only, so they come first and
     the capture (hours on a CPU) runs once, right before the first peer run."""
-    repo = Path(__file__).resolve().parents[1]
     work, out = tmp_path / "work", tmp_path / "record.json"
-    calls = tmp_path / "calls.txt"
-    fake = (
-        tmp_path / "py"
-    )  # as above; the data stage writes the budget, the capture its record, as the bench's do
-    fake.write_text(
-        f'#!/bin/sh\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\necho "$@" >> {calls}\n'
-        f'case "$*" in *"--stages data"*) mkdir -p {work}/data; echo {{}} > {work}/data/budget.json;;\n'
-        f'*"--stages capture"*) echo \'{{"capture": {{"positions": 1}}}}\' > {out};; esac\n'
-    )
-    fake.chmod(0o755)
-    env = dict(os.environ, PY=str(fake), WORK=str(work), OUT=str(out), STEPS="train")
-    subprocess.run(["bash", str(repo / "bench" / "eagle3_larger.sh")], env=env, check=True, cwd=repo)
+    # the data stage writes the budget, the capture its record, as the bench's do
+    lines = run_bench_script(tmp_path, "eagle3_larger.sh", dict(WORK=str(work), OUT=str(out), STEPS="train"), {
+        "data": f"mkdir -p {work}/data; echo {{}} > {work}/data/budget.json",
+        "capture": f"echo '{{\"capture\": {{\"positions\": 1}}}}' > {out}",
+    })  # fmt: skip
     stages = [line.split("--setting ")[1].split(":")[0] if "--setting" in line else line.split("--stages ")[1].split()[0]
-              for line in calls.read_text().splitlines()]  # fmt: skip
+              for line in lines]  # fmt: skip
     assert stages == ["data", "draftsmith-r45norms", "draftsmith-r45norms-seed1", "capture", "speculators-seq1024",
                       "speculators-seq1024-seed1"]  # fmt: skip
 
@@ -750,18 +753,11 @@ def test_ablations_of_another_machine_are_compared_with_that_machines_own_run_of
 def test_the_ablation_script_trains_the_default_first_then_each_change_once_then_the_table(tmp_path):
     """bench/eagle3_ablations.sh: the data stage when missing, the machine's own run of the default before any
     ablation (every row is compared with it), each ablation as the default plus its change, then the table."""
-    repo = Path(__file__).resolve().parents[1]
     work, out = tmp_path / "work", tmp_path / "record.json"
-    calls = tmp_path / "calls.txt"
-    fake = tmp_path / "py"  # records every bench call instead of running it; the data stage writes the budget
-    fake.write_text(
-        f'#!/bin/sh\necho "$@" >> {calls}\n'
-        f'case "$*" in *"--stages data"*) mkdir -p {work}/data; echo {{}} > {work}/data/budget.json;; esac\n'
-    )
-    fake.chmod(0o755)
-    env = dict(os.environ, PY=str(fake), WORK=str(work), OUT=str(out))
-    subprocess.run(["bash", str(repo / "bench" / "eagle3_ablations.sh")], env=env, check=True, cwd=repo)
-    lines = calls.read_text().splitlines()
+    data = {
+        "data": f"mkdir -p {work}/data; echo {{}} > {work}/data/budget.json"
+    }  # what the data stage writes
+    lines = run_bench_script(tmp_path, "eagle3_ablations.sh", dict(WORK=str(work), OUT=str(out)), data)
     assert "--stages data" in lines[0] and "eagle3_recipe.py --ablations" in lines[-1]
     settings = [line.split("--setting ")[1].split()[0] for line in lines if "--setting" in line]
     names = [s.split(":")[0] for s in settings]
@@ -772,3 +768,30 @@ def test_the_ablation_script_trains_the_default_first_then_each_change_once_then
         assert 1 <= len(changed) <= 6, (
             setting
         )  # the default plus one change (one option or one optimizer split)
+
+
+def test_the_dflash_peer_script_captures_where_its_files_are_gone_then_trains_points_then_seeds(tmp_path):
+    """bench/dflash_peers.sh: the data stage when missing; the capture when its files are not all here, though the
+    record holds another machine's capture; each peer's new point in its own words; then the seeds of the pipelines
+    named, by bench/peer_sweep.py, into a file beside the record; a second run captures nothing again."""
+    work, out = tmp_path / "work", tmp_path / "record.json"
+    # the record holds another machine's capture, whose files went with that machine
+    out.write_text(json.dumps({"capture": {"positions": 1}}))
+    stages = {  # the data stage writes the budget, the capture speculators' split.json last
+        "data": f"mkdir -p {work}/data; echo {{}} > {work}/data/budget.json",
+        "capture": f"mkdir -p {work}/speculators; echo {{}} > {work}/speculators/split.json",
+    }
+    env = dict(WORK=str(work), OUT=str(out))
+    lines = run_bench_script(tmp_path, "dflash_peers.sh", env, stages)
+    assert all("--draft dflash" in line for line in lines[:4])
+    assert ["--stages data" in lines[0], "--stages capture" in lines[1]] == [True, True]
+    points = [line.split("--setting ")[1].split()[0] for line in lines if "--setting" in line]
+    assert [p.split("-")[0] for p in points] == ["speculators", "specforge"]
+    assert points == ["speculators-t512:total-seq-len=512", "specforge-lr1e3:training.learning_rate=1e-3"]
+    assert "peer_sweep.py" in lines[-1] and "--pipelines speculators specforge" in lines[-1]
+    assert f"--out {tmp_path / 'record_seeds.json'}" in lines[-1] and f"--record {out}" in lines[-1]
+    env |= dict(PIPELINES="specforge", STEPS="seeds")
+    (line,) = run_bench_script(
+        tmp_path, "dflash_peers.sh", env, stages
+    )  # no data, no capture, no points: seeds
+    assert "peer_sweep.py" in line and line.rstrip().split("--pipelines ")[1].split()[0] == "specforge"
