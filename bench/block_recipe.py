@@ -107,11 +107,17 @@ def spread(values: list[float]) -> tuple[float | None, float | None]:
 def dev_rows(reports: dict[Path, dict]) -> dict[str, dict]:
     """Draft name (the run folder's name; a peer's ``NAME (DFlash)``) -> its row of the ``vllm_engine.py``
     reports' draftsmith side, from the first report that holds it, with ``report`` naming that run (each draft's
-    speedup is against the target alone of its own interleaved run)."""
+    speedup is against the target alone of its own interleaved run) and, where that run also served the draft
+    with vLLM, vLLM's acceptance length at batch 1 (``vllm_tau``, beside draftsmith's τ over the steps that
+    drafted: ``tau_drafting``), its acceptance by position and whether its outputs equal its target alone's."""
     rows: dict[str, dict] = {}
     for path, report in reports.items():
+        served = report.get("vllm") or {}
         for name, row in report["draftsmith"].items():
-            rows.setdefault(name.split(":", 1)[-1], {**row, "report": str(path)})
+            vllm = served.get(name) or {}
+            engine = {"vllm_tau": vllm["batch_1"].get("tau"), "vllm_per_position": vllm["batch_1"].get("per_position"),
+                      "vllm_exact_match": vllm.get("exact_match")} if vllm.get("batch_1") else {}  # fmt: skip
+            rows.setdefault(name.split(":", 1)[-1], {**row, **engine, "report": str(path)})
     return rows
 
 
@@ -142,7 +148,7 @@ def main() -> None:
     drafts = sorted({r["draft"] for r in runs.values()})
     summary = []
     print(f"\n{'draft':<20} {'seeds':>5} {'held-out τ':>15}  {'dev τ':>6} {'by position (dev)':<28} "
-          f"{'draft ms':>8} {'×':>5} {'bound':>5}")  # fmt: skip
+          f"{'draft ms':>8} {'×':>5} {'bound':>5} {'vLLM τ':>6}")  # fmt: skip
     for draft in drafts:
         mine = sorted((r for r in runs.values() if r["draft"] == draft), key=lambda r: r["seed"])
         taus = [r["state"]["tau"] for r in mine]
@@ -155,12 +161,14 @@ def main() -> None:
                         "dev_tau": [row["tau"]] if row else [],
                         "dev": None if row is None else {key: row.get(key) for key in (
                             "k", "tau", "per_position", "draft_ms_per_step", "speedup", "speedup_bound",
-                            "tau_to_break_even", "exact_match", "report")}})  # fmt: skip
+                            "tau_to_break_even", "exact_match", "tau_drafting", "vllm_tau", "vllm_per_position",
+                            "vllm_exact_match", "report")}})  # fmt: skip
         held = f"{mean:.3f} ± {sd:.3f}" if sd is not None else f"{mean:.3f}"
         by_pos = " ".join("-" if x is None else f"{x:.2f}" for x in (row or {}).get("per_position", [])[:5])
         print(f"{draft:<20} {len(mine):>5} {held:>15}  {(row or {}).get('tau', float('nan')):>6.3f} {by_pos:<28} "
               f"{(row or {}).get('draft_ms_per_step', float('nan')):>8.1f} {(row or {}).get('speedup', float('nan')):>5.2f} "
-              f"{(row or {}).get('speedup_bound') or float('nan'):>5.2f}")  # fmt: skip
+              f"{(row or {}).get('speedup_bound') or float('nan'):>5.2f} "
+              f"{(row or {}).get('vllm_tau') or float('nan'):>6.3f}")  # fmt: skip
     for path, dev_report in dev_reports.items():
         alone = dev_report["draftsmith"].get("alone", {})
         s = dev_report["settings"]

@@ -795,3 +795,24 @@ def test_the_dflash_peer_script_captures_where_its_files_are_gone_then_trains_po
         tmp_path, "dflash_peers.sh", env, stages
     )  # no data, no capture, no points: seeds
     assert "peer_sweep.py" in line and line.rstrip().split("--pipelines ")[1].split()[0] == "specforge"
+
+
+def test_the_block_table_sets_vllms_acceptance_beside_draftsmiths_tau_from_the_run_that_served_the_draft():
+    """bench/block_recipe.py's dev rows: a draft's row comes from the first report that holds it; where that run
+    also served the draft with vLLM, vLLM's batch-1 acceptance length, by position, and its outputs' equality
+    sit beside draftsmith's figures; a --no-vllm run gives none (not another run's)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import block_recipe
+
+    served = {"batch_1": {"tau": 1.266, "per_position": [0.24, 0.09]}, "exact_match": True}
+    with_vllm = {"draftsmith": {"dflash:a": {"tau": 1.263, "tau_drafting": 1.265}, "dflash:b": {"tau": 1.3}},
+                 "vllm": {"dflash:a": served, "alone": {"batch_1": {"tau": 1.0}}}}  # fmt: skip
+    without = {"draftsmith": {"dflash:a": {"tau": 9.0}, "dflash:c": {"tau": 1.2}}}
+    rows = block_recipe.dev_rows({Path("first.json"): with_vllm, Path("second.json"): without})
+    assert (
+        rows["a"]["tau"] == 1.263 and rows["a"]["vllm_tau"] == 1.266 and rows["a"]["report"] == "first.json"
+    )
+    assert rows["a"]["vllm_per_position"] == [0.24, 0.09] and rows["a"]["vllm_exact_match"] is True
+    assert (
+        "vllm_tau" not in rows["b"] and "vllm_tau" not in rows["c"] and rows["c"]["report"] == "second.json"
+    )
