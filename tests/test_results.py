@@ -296,7 +296,8 @@ def eagle3_recipe_cells(text: str) -> list[str]:
 
 def block_recipe_cells(text: str) -> list[str]:
     """The block drafters' deciding table against ``block_recipe.json``'s summary: held-out τ mean ± sd (n), or
-    the one seed's τ (n=1), and dev τ per draft, the draft named by its setting in backticks."""
+    the one seed's τ (n=1), dev τ and vLLM's acceptance length where a dev run served it, per draft, the draft
+    named by its setting in backticks."""
     summary = json.loads((RESULTS / "block_recipe.json").read_text())["summary"]
     wrong, seen = [], set()
     for cells in section_table(text, "Block drafters", after="Deciding table"):
@@ -314,6 +315,10 @@ def block_recipe_cells(text: str) -> list[str]:
         dev = f"{row['dev_tau'][0]:.3f}" if row["dev_tau"] else "–"
         if plain(cells[3]) != dev:
             wrong.append(f"block drafters, {setting}: dev {plain(cells[3])!r}, the result gives {dev!r}")
+        served = (row.get("dev") or {}).get("vllm_tau")
+        vllm = "–" if served is None else f"{served:.3f}"
+        if len(cells) > 8 and plain(cells[8]) != vllm:
+            wrong.append(f"block drafters, {setting}: vLLM {plain(cells[8])!r}, the result gives {vllm!r}")
     return wrong + [
         f"block drafters: {r['setting']} is not in the table" for r in summary if r["setting"] not in seen
     ]
