@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import gzip
+import hashlib
 import json
 import math
 import os
@@ -107,6 +108,15 @@ def write_with(path: str | Path, write: Callable[[Path], object]) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def file_digest(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes (hex), read a MiB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def write_text(path: str | Path, text: str) -> Path:

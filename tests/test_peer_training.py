@@ -151,6 +151,50 @@ def test_layouts_read_back(tmp_path):
     assert torch.load(sp / "token_freq.pt") == {4: 1, 5: 1, 6: 1, 7: 1, 9: 1}
 
 
+def test_a_capture_stopped_part_way_goes_on_from_its_files_and_another_capture_starts_over(tmp_path):
+    """The capture (an hour at 1.6M tokens here) resumes: a run killed after two conversations leaves those two
+    whole and no index; the run again under the same stamp captures only the rest and writes what an unbroken
+    capture writes; under another stamp (another dtype, other data) everything is captured afresh."""
+    from safetensors.torch import load_file
+
+    train = [{"input_ids": [3, 4, 5, 6, 7], "loss_mask": [0, 1, 1, 1, 1]}, {"input_ids": [3, 9, 9], "loss_mask": [0, 0, 1]},
+             {"input_ids": [3, 5, 5, 5], "loss_mask": [0, 1, 1, 1]}]  # fmt: skip
+    heldout = [{"input_ids": [3, 4, 8, 8], "loss_mask": [0, 1, 1, 1]}]
+    seen: list[int] = []
+
+    def captured(ids, stop_after=None):
+        if stop_after is not None and len(seen) == stop_after:
+            raise KeyboardInterrupt  # the job killed between two conversations
+        seen.append(len(ids))
+        return fake_capture(len(ids))
+
+    def write(root, stamp, stop_after=None):
+        return peer_inputs.write_peer_features(train, heldout, lambda ids: captured(ids, stop_after), root / "specforge",
+                                               root / "speculators", {4: 1}, stamp=stamp)  # fmt: skip
+
+    whole = tmp_path / "whole"
+    assert write(whole, {"dtype": "float32"}) == (16, 16)
+    part = tmp_path / "part"
+    seen.clear()
+    with pytest.raises(KeyboardInterrupt):
+        write(part, {"dtype": "float32"}, stop_after=2)
+    assert not (part / "speculators" / "split.json").exists()
+    assert len(list((part / "speculators" / "hidden_states").iterdir())) == 2
+    seen.clear()
+    assert write(part, {"dtype": "float32"}) == (16, 8) and seen == [4, 4]  # the third and the held-out one
+    for name in (
+        "specforge/train/data_000002.ckpt",
+        "specforge/heldout/data_000000.ckpt",
+        "speculators/split.json",
+    ):
+        assert (part / name).read_bytes() == (whole / name).read_bytes()
+    for i in range(4):
+        a, b = (load_file(r / "speculators" / "hidden_states" / f"hs_{i}.safetensors") for r in (part, whole))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    seen.clear()
+    assert write(part, {"dtype": "bfloat16"}) == (16, 16) and seen == [5, 3, 4, 4]
+
+
 @pytest.mark.engine
 def test_specforge_stand_in_loss_is_the_kernels_loss():
     """bench/peers/specforge_run.py's torch LogSoftmaxLoss against the sum its Triton kernels compute, by hand."""

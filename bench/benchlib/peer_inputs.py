@@ -10,6 +10,7 @@ DFlash reads the same captures (its taps are EAGLE-3's layers); only SpecForge's
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import datasets
 import torch
 from safetensors.torch import save_file
 
+from draftsmith import files
 from draftsmith.drafts.base import DFLASH, EAGLE3
 from draftsmith.train.sampler import ResumableSampler
 
@@ -147,24 +149,45 @@ def write_speculators_index(
     )
     dataset.set_format(type="torch")  # as speculators' preprocessing saves it
     dataset.save_to_disk(str(root))
-    (root / "split.json").write_text(json.dumps({"train": len(train), "heldout": len(heldout)}))
     torch.save(assistant_counts, root / "token_freq.pt")
+    # last: its presence says the capture is whole (bench/dflash_peers.sh)
+    files.write_text(root / "split.json", json.dumps({"train": len(train), "heldout": len(heldout)}))
 
 
 def write_peer_features(train: list[dict], heldout: list[dict], captured: Capture, specforge: Path,
-                        speculators: Path, assistant_counts: dict, draft: str = EAGLE3) -> int:  # fmt: skip
+                        speculators: Path, assistant_counts: dict, draft: str = EAGLE3,
+                        stamp: dict | None = None) -> tuple[int, int]:  # fmt: skip
     """Capture every conversation (``captured``) into SpecForge's ``specforge/{train,heldout}/`` (its record
-    for ``draft``) and speculators' ``speculators/`` (its hidden states and dataset); returns the positions."""
-    record = SPECFORGE_RECORDS[draft]
+    for ``draft``) and speculators' ``speculators/`` (its hidden states and dataset); returns the positions of
+    all conversations and of those this call captured.
+
+    Resumable: each conversation's two files land whole (written aside, then renamed), so a capture stopped part
+    way (an hour at 1.6M tokens on a CPU) goes on from the conversations it has not written, provided it captures
+    the same thing: ``stamp`` (what was captured: data, target, dtype, layers, draft) is kept beside the files,
+    and a capture under another stamp (or none) starts over. speculators' ``split.json`` is written last."""
+    state = speculators / "capture_stamp.json"
+    stamp = {**(stamp or {}), "draft": draft}
+    if not state.is_file() or json.loads(state.read_text()) != stamp:
+        shutil.rmtree(specforge, ignore_errors=True)
+        shutil.rmtree(speculators, ignore_errors=True)
     (speculators / "hidden_states").mkdir(parents=True, exist_ok=True)
+    files.write_text(state, json.dumps(stamp, sort_keys=True))
+    record, here = SPECFORGE_RECORDS[draft], 0
     for split, convs, offset in (("train", train, 0), ("heldout", heldout, len(train))):
         (specforge / split).mkdir(parents=True, exist_ok=True)
         for i, conv in enumerate(convs):
+            ckpt = specforge / split / f"data_{i:06d}.ckpt"
+            states = speculators / "hidden_states" / f"hs_{offset + i}.safetensors"
+            if ckpt.is_file() and states.is_file():  # this capture's, before it was stopped
+                continue
             aux, last, normed = captured(conv["input_ids"])
-            torch.save(record(conv, aux, normed), specforge / split / f"data_{i:06d}.ckpt")
-            save_file(
-                speculators_record(conv, aux, last),
-                speculators / "hidden_states" / f"hs_{offset + i}.safetensors",
-            )
+            save_whole(ckpt, record(conv, aux, normed), states, speculators_record(conv, aux, last))
+            here += len(conv["input_ids"])
     write_speculators_index(speculators, train, heldout, assistant_counts)
-    return sum(len(c["input_ids"]) for c in train + heldout)
+    return sum(len(c["input_ids"]) for c in train + heldout), here
+
+
+def save_whole(ckpt: Path, specforge_record: dict, states: Path, speculators_record: dict) -> None:
+    """One conversation's two files, each written aside and renamed into place (never seen half written)."""
+    files.write_with(ckpt, lambda tmp: torch.save(specforge_record, tmp))
+    files.write_with(states, lambda tmp: save_file(speculators_record, str(tmp)))

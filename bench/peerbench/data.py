@@ -116,6 +116,7 @@ def stage_capture(work: Path) -> dict:
     from benchlib.peer_inputs import capture, write_peer_features
     from transformers import AutoModelForCausalLM
 
+    from draftsmith import files
     from draftsmith.drafts.eagle import default_eagle3_layers
     from draftsmith.loading import resolve_dtype
 
@@ -132,18 +133,22 @@ def stage_capture(work: Path) -> dict:
         layers = budget.get("capture_layers") or default_eagle3_layers(model.config.num_hidden_layers)
         train = read_jsonl(work / "data" / "train.jsonl")
         heldout = read_jsonl(work / "data" / "heldout.jsonl")
-        positions = write_peer_features(
+        # what a capture stopped part way must match to go on from its files (else it starts over)
+        stamp = {"target": budget["target_path"], "dtype": str(dtype), "layers": layers,
+                 "data": [files.file_digest(work / "data" / name) for name in ("train.jsonl", "heldout.jsonl")]}  # fmt: skip
+        positions, here = write_peer_features(
             train, heldout, lambda ids: capture(model, ids, layers), work / "specforge", work / "speculators",
-            read_vocab_counts(work)["assistant"], draft,
+            read_vocab_counts(work)["assistant"], draft, stamp,
         )  # fmt: skip
         wall, cpu = time.perf_counter() - start, _self_cpu() - cpu0
     return {
         "layers": layers,
         "dtype": str(dtype).removeprefix("torch."),
         "positions": positions,
+        "captured_here": here,  # fewer than positions where an earlier capture stopped part way
         "wall_s": wall,
         "cpu_s": cpu,
-        "tokens_per_s": positions / wall,
+        "tokens_per_s": here / wall,
         "lock_wait_s": waited,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }

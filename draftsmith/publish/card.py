@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from draftsmith import files
 from draftsmith.draft_checkpoint import DraftCheckpoint
 from draftsmith.drafts.engines import export_engines
 from draftsmith.export.engines import CARD_K, CardContext, refusal, usage_of
@@ -51,17 +52,6 @@ def _local_path(value: str) -> Path | None:
     return None
 
 
-def file_digest(path: Path) -> str:
-    """The first 12 hex digits of the file's sha256."""
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()[:12]
-
-
 def portable(value):
     """``value`` (a recipe or report, nested dicts/lists) with every local path replaced by its file name
     and, for a file that is here, the start of its sha256: what was used, not where it lay on this disk."""
@@ -71,7 +61,7 @@ def portable(value):
         return [portable(v) for v in value]
     if isinstance(value, str) and (path := _local_path(value)) is not None:
         if path.is_file():
-            return f"{path.name} (sha256 {file_digest(path)})"
+            return f"{path.name} (sha256 {files.file_digest(path)[:12]})"
         return f"{path.name}/" if path.is_dir() else path.name
     return value
 

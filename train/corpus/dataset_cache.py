@@ -114,7 +114,7 @@ def cached_dataset(
     def fill(tmp: Path) -> None:
         with quiet_datasets():  # the stage's own line says where the rows went
             rows.flatten_indices().save_to_disk(str(tmp))  # a shuffle's order written out, not an index map
-        digests = {p.name: file_digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        digests = {p.name: files.file_digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest = {**record, "num_rows": len(rows), "sha256": digests}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
 
@@ -124,15 +124,6 @@ def cached_dataset(
     if loaded is None:
         raise OSError(f"the dataset cache {entry} was written but {problem}; is its disk full or failing?")
     return loaded
-
-
-def file_digest(path: Path) -> str:
-    """The SHA-256 of a file's bytes, read a MiB at a time."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _load(entry: Path) -> tuple[datasets.Dataset | None, str]:
@@ -149,7 +140,7 @@ def _load(entry: Path) -> tuple[datasets.Dataset | None, str]:
         for name, digest in digests.items():
             if not (entry / name).is_file():
                 return None, f"has lost {name}"
-            if file_digest(entry / name) != digest:
+            if files.file_digest(entry / name) != digest:
                 return None, f"does not hold what was written: {name} does not match its SHA-256"
         rows = datasets.load_from_disk(str(entry))
         if len(rows) != expected:  # (a cut-short Arrow file already fails to load: its messages are read)
