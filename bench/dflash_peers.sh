@@ -6,7 +6,8 @@
 # (bench/peer_sweep.py --stages seeds). bench/block_recipe.py sets them beside draftsmith's DFlash (--peers).
 #
 # Every step can be stopped and run again: the data stage is skipped once done and the capture once its files are
-# all there (the record's capture may be another machine's, whose files went with it), a finished run is kept in
+# all there (the record's capture may be another machine's, whose files went with it; one stopped part way goes on
+# from the conversations it wrote), a finished run is kept in
 # the --out record (bench/peer_training.py). On a 2-core CPU: the capture ~15 min, a SpecForge run ~35 min, a
 # speculators run at 1,024-token steps ~50 min (bench/results/peer_dflash_400k.json). Give it the CPU alone
 # (`echo 19 > /proc/self/autogroup` for a background job), or stop it (SIGSTOP / SIGCONT) while timing anything.

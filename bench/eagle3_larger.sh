@@ -4,7 +4,8 @@
 # ends, then one interleaved `draftsmith eval` of the four heads on 96 dev prompts, then bench/eagle3_recipe.py with
 # the larger budget's rows beside the 0.4M table.
 #
-# Every step can be stopped and run again: the data stage and the capture are skipped once done, a finished run
+# Every step can be stopped and run again: the data stage and the capture are skipped once done (a capture stopped
+# part way goes on from the conversations it wrote: bench/benchlib/peer_inputs.py), a finished run
 # is kept in the --out record (bench/peer_training.py), draftsmith's run stopped part way resumes from its last
 # checkpoint, and a run the record judged whose head is gone (runs/ lost with a machine) trains again before the
 # dev run, which reads every head. On a 2-core CPU this is about 8 hours (docs/studies/eagle3_training.md,
