@@ -20,7 +20,8 @@ mixed in.
 several records of one budget, e.g. a seed each, are read as one) that trained the default (``KEEPER`` and its
 ``-seedN`` runs) and peers' chosen points (a point's first run name and its ``-seedN`` runs); each point found
 there is a summary row at that budget, its held-out τ from the record's own judge, its dev τ from
-``--larger-dev`` (one interleaved report over those heads, kept apart from the 0.4M heads of the same names).
+``--larger-dev`` (one interleaved report over those heads, or several where a session's end split the dev run:
+greedy τ does not depend on what else ran), kept apart from the 0.4M heads of the same names.
 """
 
 from __future__ import annotations
@@ -182,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--larger", type=Path, nargs="*", default=existing("bench/results/eagle3_recipe_1600k.json"),
                    help="peer_training records at a larger token budget (the default and peers' points trained there)")  # fmt: skip
-    p.add_argument("--larger-dev", type=Path, default=(existing("bench/results/eagle3_dev_1600k.json") or [None])[0],
-                   help="one interleaved draftsmith eval report.json over the larger budget's heads")  # fmt: skip
+    p.add_argument("--larger-dev", type=Path, nargs="*", default=sorted(Path("bench/results").glob("eagle3_dev_1600k*.json")),
+                   help="draftsmith eval report.json files over the larger budget's heads: one interleaved run, or "
+                   "several where a machine's end split them (greedy τ does not depend on what else ran; each "
+                   "report's own target-alone speed is kept with it)")  # fmt: skip
     p.add_argument("--ablations", type=Path, nargs="*", default=existing("bench/results/eagle3_ablations_400k.json"),
                    help="peer_training records of ablations at the same budget, each with its own run of the default "
                    "(KEEPER) that its rows are compared with: another machine's, whose precision may differ")  # fmt: skip
@@ -251,10 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(heldout_tau=entry["heldout_tau"]["values"], reused_from=str(path))
             summary.append(row)
     larger = [(path, json.loads(path.read_text())) for path in args.larger]
-    larger_report = json.loads(args.larger_dev.read_text()) if args.larger_dev else None
+    larger_reports = [json.loads(path.read_text()) for path in args.larger_dev]
     larger_dev = {}
-    for _, larger_record in larger if larger_report else []:
-        larger_dev |= dev_taus(larger_report, larger_record["train"])
+    for report in larger_reports:  # a head judged in two reports takes the later one's τ (the same, greedy)
+        for _, larger_record in larger:
+            larger_dev |= dev_taus(report, larger_record["train"])
     summary += larger_budget_rows(larger, [row for row in summary if row["default"] or row["pipeline"] != "draftsmith"],
                                   larger_dev)  # fmt: skip
     print(
@@ -279,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
               "dev_spread": [spread(row["dev_tau"]) for row in summary], "dev_judge": dev_judge(dev_report, args.dev[0]),
               "dev_reports": [str(p) for p in args.dev if p.exists()], "larger": [str(p) for p in args.larger],
               "ablation_records": [str(p) for p in args.ablations],
-              "larger_dev_judge": dev_judge(larger_report, args.larger_dev)}  # fmt: skip
+              "larger_dev_judges": [dev_judge(r, path) for r, path in zip(larger_reports, args.larger_dev)]}  # fmt: skip
     write_json(args.out, result)
     return 0
 

@@ -693,6 +693,52 @@ def test_the_eagle3_deciding_table_takes_a_larger_budget_per_point(tmp_path):
     assert rows[1]["trained_in"] == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
 
 
+def test_the_larger_budgets_dev_tau_joins_reports_of_a_dev_run_split_over_sessions(tmp_path):
+    """bench/eagle3_recipe.py --larger-dev REPORT ...: heads judged in separate dev runs (a machine's end split the
+    run; greedy τ does not depend on what else ran) each take their τ from the report that holds them, and each
+    report's judge is kept; one report alone leaves the other heads without a dev τ."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import eagle3_recipe
+
+    def report(heads: dict[str, float]) -> dict:
+        settings = {"prompts": "builtin:dev_prompts", "num_prompts": 96, "order": "round-robin",
+                    "max_new_tokens": 64, "k": 5}  # fmt: skip
+        drafts = [{"name": f"runs/big/runs/{n}/run/draft", "tau": t, "exact_match": True, "speedup": 0.8}
+                  for n, t in heads.items()]  # fmt: skip
+        return {"settings": settings, "greedy": True, "hardware": {"cpu": "x"}, "drafts": drafts}
+
+    keeper, spec = eagle3_recipe.KEEPER, "speculators-seq1024"
+    machine = {"cpu": "AMD EPYC", "flags": ["avx2"]}
+    judged = {"judge": {"tau": 2.0}, "provenance": {"commit": "c", "machine": machine, "date": "2026-12-07"}}
+    paths = {name: tmp_path / f"{name}.json" for name in ("table", "peers", "big", "dev_a", "dev_b")}
+    paths["table"].write_text(
+        json.dumps(
+            {"budget": {"tokens_asked": 409600}, "train": {keeper: judged, eagle3_recipe.BASE: judged}}
+        )
+    )
+    peers = {"summary": {"speculators": {"setting": ["total-seq-len=1024"], "runs": [spec],
+                                         "heldout_tau": {"values": [2.06]}}}}  # fmt: skip
+    paths["peers"].write_text(json.dumps(peers))
+    big = {n: judged for n in (keeper, f"{keeper}-seed1", spec)}
+    paths["big"].write_text(json.dumps({"budget": {"tokens_asked": 1638400}, "train": big}))
+    paths["dev_a"].write_text(json.dumps(report({keeper: 1.50, spec: 1.40})))
+    paths["dev_b"].write_text(json.dumps(report({f"{keeper}-seed1": 1.52})))
+    out = tmp_path / "out.json"
+    common = ["--record", str(paths["table"]), "--peers", str(paths["peers"]), "--dev", str(tmp_path / "none.json"),
+              "--larger", str(paths["big"]), "--ablations", "--out", str(out)]  # fmt: skip
+
+    def larger_dev(*reports: str) -> tuple[dict, dict]:
+        eagle3_recipe.main([*common, "--larger-dev", *(str(paths[r]) for r in reports)])
+        result = json.loads(out.read_text())
+        rows = {r["pipeline"]: r["dev_tau"] for r in result["summary"] if r["tokens"] == 1638400}
+        return rows, result
+
+    rows, result = larger_dev("dev_a", "dev_b")
+    assert rows == {"draftsmith": [1.50, 1.52], "speculators": [1.40]}
+    assert [j["report"] for j in result["larger_dev_judges"]] == [str(paths["dev_a"]), str(paths["dev_b"])]
+    assert larger_dev("dev_a")[0] == {"draftsmith": [1.50], "speculators": [1.40]}
+
+
 def run_bench_script(
     tmp_path: Path, script: str, env: dict, stages: dict[str, str] | None = None
 ) -> list[str]:
