@@ -8,7 +8,8 @@
 # part way goes on from the conversations it wrote: bench/benchlib/peer_inputs.py), a finished run
 # is kept in the --out record (bench/peer_training.py), draftsmith's run stopped part way resumes from its last
 # checkpoint, and a run the record judged whose head is gone (runs/ lost with a machine) trains again before the
-# dev run, which reads every head. On a 2-core CPU this is about 8 hours (docs/studies/eagle3_training.md,
+# dev run, which reads every head no dev report judged yet (a dev run split by a machine's end goes on in a
+# report of its own: greedy τ does not depend on what else ran). On a 2-core CPU this is about 8 hours (docs/studies/eagle3_training.md,
 # "1.6M tokens"); give it the CPU alone (`echo 19 > /proc/self/autogroup` for a background job), or stop it
 # (SIGSTOP / SIGCONT) while timing anything else.
 #
@@ -23,7 +24,14 @@ TOKENS=${TOKENS:-1638400}
 WORK=${WORK:-runs/sweep_1600k}
 OUT=${OUT:-bench/results/eagle3_recipe_1600k.json}
 DEV=${DEV:-$WORK/dev96}
-DEV_RESULT=${DEV_RESULT:-bench/results/eagle3_dev_1600k.json}
+# the dev reports: one interleaved run over the heads, or several where a machine's end split it (its heads went with
+# its runs/); a head some report already judged is not judged again, nor trained again for it
+DEV_PREFIX=${DEV_PREFIX:-bench/results/eagle3_dev_1600k}
+shopt -s nullglob
+DEV_REPORTS=("$DEV_PREFIX".json "$DEV_PREFIX"_*.json)
+shopt -u nullglob
+n=${#DEV_REPORTS[@]}
+DEV_RESULT=${DEV_RESULT:-$([[ $n -eq 0 ]] && echo "$DEV_PREFIX.json" || echo "${DEV_PREFIX}_$((n + 1)).json")}
 STEPS=${STEPS:-"train dev table"}
 DEFAULT="trainer.batch_size=1,optim.name=muon,draft.options.norm_before_fc=true,draft.options.norm_output=true"
 DEFAULT="$DEFAULT,draft.options.norm_before_residual=true"
@@ -47,6 +55,13 @@ from peerbench.training import head_there
 run = json.load(open(sys.argv[1])).get("train", {}).get(sys.argv[2]) or {}
 sys.exit(not (run.get("head") and not head_there(run)))' "$OUT" "$1"; }
 
+# whether a dev report holds a head of the run (a part of the head's path names it, as bench/eagle3_recipe.py reads it)
+dev_judged() { $PY -c 'import json, sys
+from pathlib import Path
+name = sys.argv[1]
+sys.exit(not any(name in Path(d["name"]).parts for r in sys.argv[2:] for d in json.load(open(r))["drafts"]))' \
+    "$1" ${DEV_REPORTS[@]+"${DEV_REPORTS[@]}"}; }
+
 if has train; then
     [[ -f $WORK/data/budget.json ]] || $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages data --out "$OUT"
     for run in "${RUNS[@]}"; do
@@ -54,24 +69,33 @@ if has train; then
             $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages capture --out "$OUT"
         fi
         again=()
-        if has dev && head_gone "${run%%:*}"; then again=(--rerun); fi
+        if has dev && head_gone "${run%%:*}" && ! dev_judged "${run%%:*}"; then again=(--rerun); fi
         $PY bench/peer_training.py --tokens "$TOKENS" --work "$WORK" --stages train judge --runs --setting "$run" \
             --out "$OUT" "${again[@]}"
     done
 fi
 
 if has dev; then
-    # the heads the record holds, in its order; one eval, prompt by prompt round the heads and the target alone
+    # the heads the record holds that no dev report judged yet, in its order; one eval, prompt by prompt round the
+    # heads and the target alone
     mapfile -t HEADS < <($PY -c 'import json, sys
-for run in json.load(open(sys.argv[1]))["train"].values():
+for name, run in json.load(open(sys.argv[1]))["train"].items():
     if run.get("head"):
-        print("--draft"); print(run["head"])' "$OUT")
-    "$DRAFTSMITH" eval --target smollm2-135m-instruct --prompts builtin:dev_prompts --limit 96 --order round-robin \
-        --max-new-tokens 64 --k 5 --cpu-kernels stock "${HEADS[@]}" --out "$DEV" --overwrite
-    cp "$DEV/report.json" "$DEV_RESULT"
+        print(name); print(run["head"])' "$OUT")
+    DRAFTS=()
+    for ((i = 0; i < ${#HEADS[@]}; i += 2)); do
+        dev_judged "${HEADS[i]}" || DRAFTS+=(--draft "${HEADS[i + 1]}")
+    done
+    if [[ ${#DRAFTS[@]} -gt 0 ]]; then
+        "$DRAFTSMITH" eval --target smollm2-135m-instruct --prompts builtin:dev_prompts --limit 96 --order round-robin \
+            --max-new-tokens 64 --k 5 --cpu-kernels stock "${DRAFTS[@]}" --out "$DEV" --overwrite
+        cp "$DEV/report.json" "$DEV_RESULT"
+        DEV_REPORTS+=("$DEV_RESULT")
+    fi
 fi
 
 if has table; then
     # the 0.4M inputs are the script's defaults (the committed records); the larger budget's rows join them
-    $PY bench/eagle3_recipe.py --larger "$OUT" --larger-dev "$DEV_RESULT" --out bench/results/eagle3_recipe.json
+    $PY bench/eagle3_recipe.py --larger "$OUT" --larger-dev ${DEV_REPORTS[@]+"${DEV_REPORTS[@]}"} \
+        --out bench/results/eagle3_recipe.json
 fi

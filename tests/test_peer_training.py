@@ -780,7 +780,7 @@ def test_the_larger_table_trains_again_a_judged_run_whose_head_is_gone_since_the
         "speculators-seq1024": {"head": str(kept), "judge": {"tau": 2.5}},
     }}))  # fmt: skip
     env = dict(DRAFTSMITH="true", WORK=str(work), OUT=str(out), DEV=str(dev), DEV_RESULT=os.devnull,
-               STEPS="train dev")  # fmt: skip
+               DEV_PREFIX=str(tmp_path / "dev_1600k"), STEPS="train dev")  # fmt: skip
     lines = run_bench_script(tmp_path, "eagle3_larger.sh", env)
     runs = {line.split("--setting ")[1].split(":")[0]: line for line in lines if "--setting" in line}
     assert set(runs) == {"draftsmith-r45norms", "speculators-seq1024", "draftsmith-r45norms-seed1",
@@ -789,6 +789,48 @@ def test_the_larger_table_trains_again_a_judged_run_whose_head_is_gone_since_the
         "draftsmith-r45norms",
         "draftsmith-r45norms-seed1",
     ]
+    # an earlier session's dev report judged the gone head before its machine went: it is not trained again
+    drafts = [{"name": f"{work}/runs/draftsmith-r45norms/run/draft", "tau": 1.5}]
+    (tmp_path / "dev_1600k.json").write_text(json.dumps({"drafts": drafts}))
+    lines = run_bench_script(tmp_path, "eagle3_larger.sh", env)
+    assert [line.split("--setting ")[1].split(":")[0] for line in lines if "--rerun" in line] == [
+        "draftsmith-r45norms-seed1"
+    ]
+
+
+def test_the_larger_dev_run_judges_only_heads_no_report_holds_into_a_report_of_its_own(tmp_path):
+    """bench/eagle3_larger.sh: the dev run evaluates the record's heads that no earlier dev report judged, writes the
+    next report beside them, and the table reads every report; with every head judged no eval runs."""
+    work, out, dev = tmp_path / "work", tmp_path / "record.json", tmp_path / "dev"
+    dev.mkdir()
+    (dev / "report.json").write_text("{}")
+    heads = {
+        name: str(work / "runs" / name / "head") for name in ("draftsmith-r45norms", "speculators-seq1024")
+    }
+    out.write_text(json.dumps({"train": {name: {"head": head} for name, head in heads.items()}}))
+    first = tmp_path / "dev_1600k.json"
+    first.write_text(json.dumps({"drafts": [{"name": heads["speculators-seq1024"], "tau": 1.4}]}))
+    evals = tmp_path / "evals.txt"
+    draftsmith = tmp_path / "draftsmith"
+    draftsmith.write_text(f'#!/bin/sh\necho "$@" >> {evals}\n')
+    draftsmith.chmod(0o755)
+    env = dict(DRAFTSMITH=str(draftsmith), WORK=str(work), OUT=str(out), DEV=str(dev),
+               DEV_PREFIX=str(tmp_path / "dev_1600k"), STEPS="dev table")  # fmt: skip
+    lines = run_bench_script(tmp_path, "eagle3_larger.sh", env)
+    (evaluated,) = evals.read_text().splitlines()
+    assert (
+        f"--draft {heads['draftsmith-r45norms']}" in evaluated
+        and heads["speculators-seq1024"] not in evaluated
+    )
+    assert (tmp_path / "dev_1600k_2.json").exists()
+    (table,) = [line for line in lines if "eagle3_recipe.py" in line]
+    assert f"--larger-dev {first} {tmp_path / 'dev_1600k_2.json'}" in table
+    (tmp_path / "dev_1600k_2.json").write_text(
+        json.dumps({"drafts": [{"name": heads["draftsmith-r45norms"]}]})
+    )
+    evals.unlink()
+    run_bench_script(tmp_path, "eagle3_larger.sh", env)
+    assert not evals.exists()
 
 
 def test_the_larger_table_trains_draftsmiths_runs_before_the_capture_only_the_peers_read(tmp_path):
