@@ -87,9 +87,14 @@ for name, run in json.load(open(sys.argv[1]))["train"].items():
         dev_judged "${HEADS[i]}" || DRAFTS+=(--draft "${HEADS[i + 1]}")
     done
     if [[ ${#DRAFTS[@]} -gt 0 ]]; then
-        "$DRAFTSMITH" eval --target smollm2-135m-instruct --prompts builtin:dev_prompts --limit 96 --order round-robin \
-            --max-new-tokens 64 --k 5 --cpu-kernels stock "${DRAFTS[@]}" --out "$DEV" --overwrite
-        cp "$DEV/report.json" "$DEV_RESULT"
+        EVAL=(eval --target smollm2-135m-instruct --prompts builtin:dev_prompts --limit 96 --order round-robin
+            --max-new-tokens 64 --k 5 --cpu-kernels stock "${DRAFTS[@]}" --out "$DEV" --overwrite)
+        "$DRAFTSMITH" "${EVAL[@]}"
+        # the report as the result, with the provenance draftsmith eval does not write (this checkout's commit)
+        PYTHONPATH=bench $PY -c 'import json, sys
+from benchlib.records import provenance, write_json
+write_json(sys.argv[2], json.load(open(sys.argv[1])) | {"provenance": provenance() | {"command": sys.argv[3]}})' \
+            "$DEV/report.json" "$DEV_RESULT" "draftsmith ${EVAL[*]}"
         DEV_REPORTS+=("$DEV_RESULT")
     fi
 fi

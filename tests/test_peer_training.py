@@ -800,7 +800,8 @@ def test_the_larger_table_trains_again_a_judged_run_whose_head_is_gone_since_the
 
 def test_the_larger_dev_run_judges_only_heads_no_report_holds_into_a_report_of_its_own(tmp_path):
     """bench/eagle3_larger.sh: the dev run evaluates the record's heads that no earlier dev report judged, writes the
-    next report beside them, and the table reads every report; with every head judged no eval runs."""
+    next report beside them with the provenance the eval does not write, and the table reads every report; with
+    every head judged no eval runs."""
     work, out, dev = tmp_path / "work", tmp_path / "record.json", tmp_path / "dev"
     dev.mkdir()
     (dev / "report.json").write_text("{}")
@@ -822,7 +823,8 @@ def test_the_larger_dev_run_judges_only_heads_no_report_holds_into_a_report_of_i
         f"--draft {heads['draftsmith-r45norms']}" in evaluated
         and heads["speculators-seq1024"] not in evaluated
     )
-    assert (tmp_path / "dev_1600k_2.json").exists()
+    provenance = json.loads((tmp_path / "dev_1600k_2.json").read_text())["provenance"]
+    assert provenance["commit"] and provenance["command"].startswith("draftsmith eval --target")
     (table,) = [line for line in lines if "eagle3_recipe.py" in line]
     assert f"--larger-dev {first} {tmp_path / 'dev_1600k_2.json'}" in table
     (tmp_path / "dev_1600k_2.json").write_text(
